@@ -1,0 +1,15 @@
+"""dispatch-amp: automatic mixed precision for PyTorch, in readable Python and Triton.
+
+Switch from native AMP by changing one import::
+
+    import dispatch_amp as amp
+
+    with amp.autocast("cpu"):          # bf16 on CPU, fp16 on CUDA
+        loss = loss_fn(model(x), y)
+    loss.backward()
+"""
+
+__version__ = "0.1.0"
+
+from .autocast import autocast, get_autocast_dtype, is_autocast_enabled  # noqa: E402
+from .policy import Policy  # noqa: E402

@@ -1,0 +1,388 @@
+"""The casting engine behind ``autocast``: per-thread state, two interception levels.
+
+Note: cast where native casts
+-----------------------------
+Native autocast decides above autograd, at composite ops before they decompose and at
+primitive aten ops, so autograd records the casts and saves the low-precision copies.
+A ``TorchDispatchMode`` alone sits below autograd and after decomposition, and cannot do
+that (DESIGN.md fact 1). So the engine has two levels that read one ``Policy``:
+
+- ``_FunctionLevel`` (a ``TorchFunctionMode``, above autograd) casts every call whose
+  aten name is in the policy: ``F.linear``, ``torch.mm``, ``F.cross_entropy`` whole.
+  Python composites from torch (``F.multi_head_attention_forward``, ``F.interpolate``)
+  are run with the level still active so the calls inside them are seen too.
+- ``_AtenLevel`` (a ``TorchDispatchMode``, below autograd) sees every aten op after
+  decomposition. It applies the policy where that is safe without autograd's help, i.e.
+  when autograd records nothing for the op (``no_grad``, ``inference_mode``, inputs that
+  need no grad) and the op is not already inside one cast by the function level (native
+  excludes autocast inside an op it handled). For ops outside the tables it is one dict
+  lookup and a call. It is also where later features observe every kernel.
+
+Both levels are installed once per thread by the outermost enabled ``autocast`` and
+read the innermost context from ``_STATE``; nested contexts only push and pop frames.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+from dataclasses import dataclass
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .op_tables import BANNED, FP32, FP32_UNLESS_DTYPE, LOWER, PROMOTE
+from .policy import EXPAND, Policy
+
+_Tensor = torch.Tensor
+_float32 = torch.float32
+_float64 = torch.float64
+
+
+@dataclass(frozen=True)
+class DeviceContext:
+    """What one ``autocast`` says for one device type."""
+
+    device_type: str
+    enabled: bool
+    dtype: torch.dtype
+    policy: Policy
+    cache_enabled: bool
+
+
+class _ThreadState(threading.local):
+    def __init__(self):
+        # frames[i] maps device type -> DeviceContext; the last frame is in force.
+        self.frames: list[dict[str, DeviceContext]] = []
+        # Enabled contexts of the innermost frame; `primary` is set when there is exactly
+        # one (the common case), so the hot path needs no device lookup.
+        self.active: tuple[DeviceContext, ...] = ()
+        self.primary: DeviceContext | None = None
+        # The installed pair of modes and the frame index that installed them.
+        self.modes: tuple | None = None
+        self.installer: int = -1
+        # Weight-cast cache: (id(src), dtype, grad_mode) -> (src, src._version, cast).
+        self.cache: dict = {}
+        # >0 while an op cast by the function level runs: the aten level stands aside.
+        self.depth: int = 0
+        # Native autocast nesting when our modes were installed; a deeper value means a
+        # native `torch.autocast(...)` region was entered inside ours.
+        self.native_nesting: int = 0
+        # Python composites currently being expanded (guards against re-dispatch loops).
+        self.expanding: set = set()
+        # Number of casts performed, read by tests and diagnostics.
+        self.casts: int = 0
+
+
+STATE = _ThreadState()
+
+
+def _native_nesting() -> int:
+    # torch exposes the nesting counter only through increment/decrement.
+    torch.autocast_increment_nesting()
+    return torch.autocast_decrement_nesting()
+
+
+def _inside_native_region(st: _ThreadState) -> bool:
+    return _native_nesting() > st.native_nesting
+
+
+# -- frames -----------------------------------------------------------------------------
+def push_frame(frame: dict[str, DeviceContext]) -> None:
+    st = STATE
+    st.frames.append(frame)
+    _refresh(st)
+    if st.modes is None and st.active:
+        st.native_nesting = _native_nesting()
+        function_level, aten_level = _FunctionLevel(), _AtenLevel()
+        function_level.__enter__()
+        try:
+            aten_level.__enter__()
+        except BaseException:
+            function_level.__exit__(None, None, None)
+            raise
+        st.modes = (function_level, aten_level)
+        st.installer = len(st.frames) - 1
+
+
+def pop_frame() -> None:
+    st = STATE
+    index = len(st.frames) - 1
+    st.frames.pop()
+    if st.modes is not None and index == st.installer:
+        function_level, aten_level = st.modes
+        st.modes = None
+        st.installer = -1
+        st.cache.clear()
+        try:
+            aten_level.__exit__(None, None, None)
+        finally:
+            function_level.__exit__(None, None, None)
+    _refresh(st)
+
+
+def current_frame() -> dict[str, DeviceContext]:
+    frames = STATE.frames
+    return frames[-1] if frames else {}
+
+
+def _refresh(st: _ThreadState) -> None:
+    frame = st.frames[-1] if st.frames else {}
+    st.active = tuple(ctx for ctx in frame.values() if ctx.enabled)
+    st.primary = st.active[0] if len(st.active) == 1 else None
+
+
+def clear_cache() -> None:
+    STATE.cache.clear()
+
+
+# -- casting ----------------------------------------------------------------------------
+def _first_tensor(args, kwargs):
+    for a in args:
+        if isinstance(a, _Tensor):
+            return a
+        if isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, _Tensor):
+                    return b
+    if kwargs:
+        for a in kwargs.values():
+            if isinstance(a, _Tensor):
+                return a
+    return None
+
+
+def _context_for(st: _ThreadState, args, kwargs) -> DeviceContext | None:
+    """The context governing an op when several device types have one open."""
+    t = _first_tensor(args, kwargs)
+    if t is None:
+        return None
+    device_type = t.device.type
+    for ctx in st.active:
+        if ctx.device_type == device_type:
+            return ctx
+    return None
+
+
+def _cast_one(t: _Tensor, dtype: torch.dtype, ctx: DeviceContext, st: _ThreadState):
+    # Native rule: only floating tensors of the context's device, never float64.
+    if (
+        t.dtype is dtype
+        or not t.is_floating_point()
+        or t.dtype is _float64
+        or t.device.type != ctx.device_type
+    ):
+        return t
+    # Native caches lower-precision casts of fp32 leaves that require grad (weights).
+    # The grad mode is part of the key: a cast made under no_grad has no history and
+    # must not be handed to a later op that records one.
+    if ctx.cache_enabled and dtype is ctx.dtype and t.is_leaf and t.requires_grad:
+        key = (id(t), dtype, torch.is_grad_enabled())
+        hit = st.cache.get(key)
+        if hit is not None and hit[0] is t and hit[1] == t._version:
+            return hit[2]
+        out = t.to(dtype)
+        st.casts += 1
+        st.cache[key] = (t, t._version, out)
+        return out
+    st.casts += 1
+    return t.to(dtype)
+
+
+def _map_tensors(args, fn):
+    """Applies fn to tensors in args, looking one level inside lists and tuples."""
+    out = None
+    for i, a in enumerate(args):
+        if isinstance(a, _Tensor):
+            b = fn(a)
+        elif isinstance(a, (list, tuple)) and a and any(isinstance(x, _Tensor) for x in a):
+            b = type(a)(fn(x) if isinstance(x, _Tensor) else x for x in a)
+        else:
+            continue
+        if b is not a:
+            if out is None:
+                out = list(args)
+            out[i] = b
+    return args if out is None else tuple(out)
+
+
+def _iter_tensors(args, kwargs):
+    for a in args:
+        if isinstance(a, _Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, _Tensor):
+                    yield b
+    if kwargs:
+        for a in kwargs.values():
+            if isinstance(a, _Tensor):
+                yield a
+            elif isinstance(a, (list, tuple)):
+                for b in a:
+                    if isinstance(b, _Tensor):
+                        yield b
+
+
+def _promote_dtype(ctx: DeviceContext, args, kwargs) -> torch.dtype:
+    """Widest floating dtype among the context-device inputs; float64 is left out."""
+    widest = ctx.dtype
+    for t in _iter_tensors(args, kwargs):
+        d = t.dtype
+        if d is widest or d is _float64 or not t.is_floating_point():
+            continue
+        if t.device.type != ctx.device_type:
+            continue
+        widest = torch.promote_types(widest, d)
+    return widest
+
+
+_BCE_MESSAGE = (
+    "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast: "
+    "their input is usually the output of a sigmoid, and in 16-bit precision the log of "
+    "a value rounded to 0 or 1 overflows. Use torch.nn.functional."
+    "binary_cross_entropy_with_logits or torch.nn.BCEWithLogitsLoss, which fuse the sigmoid "
+    "and are safe to autocast; or run this op with the policy's 'banned' entry removed "
+    "(Policy.without_ops('binary_cross_entropy')) or outside autocast, on float32 inputs."
+)
+
+
+def _banned_message(name: str) -> str:
+    if "binary_cross_entropy" in name:
+        return _BCE_MESSAGE
+    return (
+        f"{name} is banned under this autocast policy; run it outside autocast or derive "
+        f"a policy without it (Policy.without_ops({name!r}))"
+    )
+
+
+def cast_arguments(kind: str, ctx: DeviceContext, args, kwargs, st: _ThreadState, name):
+    """Returns (args, kwargs) cast per ``kind``; raises for banned ops."""
+    if kind is LOWER:
+        dtype = ctx.dtype
+    elif kind is FP32:
+        dtype = _float32
+    elif kind is FP32_UNLESS_DTYPE:
+        # An explicit dtype argument already says how to accumulate: run as given.
+        if (kwargs and kwargs.get("dtype") is not None) or any(
+            isinstance(a, torch.dtype) for a in args
+        ):
+            return args, kwargs
+        dtype = _float32
+    elif kind is PROMOTE:
+        dtype = _promote_dtype(ctx, args, kwargs)
+    elif kind is BANNED:
+        raise RuntimeError(_banned_message(name))
+    else:  # pragma: no cover - kinds are validated when the policy is built
+        raise AssertionError(kind)
+
+    def cast(t):
+        return _cast_one(t, dtype, ctx, st)
+
+    args = _map_tensors(args, cast)
+    if kwargs:
+        new_values = _map_tensors(tuple(kwargs.values()), cast)
+        kwargs = dict(zip(kwargs.keys(), new_values))
+    return args, kwargs
+
+
+def _op_name(func) -> str:
+    return getattr(func, "__name__", None) or str(func)
+
+
+# -- the function level (above autograd) ------------------------------------------------
+def _never(*args, **kwargs) -> bool:
+    return False
+
+
+_CLONES: dict = {}
+
+
+def _clone_without_dispatch_check(func: types.FunctionType) -> types.FunctionType:
+    """A copy of a torch Python composite whose ``has_torch_function*`` checks say False.
+
+    Torch's Python functions start with ``if has_torch_function(...): return
+    handle_torch_function(...)``, which sends them to our mode instead of running their
+    body. The copy shares the code and closure but reads those three names from a
+    private globals dict, so its body runs with our mode active and every call inside it
+    is seen. Nothing in torch is modified.
+    """
+    clone = _CLONES.get(func)
+    if clone is None:
+        scope = dict(func.__globals__)
+        scope["has_torch_function"] = _never
+        scope["has_torch_function_unary"] = _never
+        scope["has_torch_function_variadic"] = _never
+        clone = types.FunctionType(
+            func.__code__, scope, func.__name__, func.__defaults__, func.__closure__
+        )
+        clone.__kwdefaults__ = func.__kwdefaults__
+        _CLONES[func] = clone
+    return clone
+
+
+class _FunctionLevel(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        st = STATE
+        ctx = st.primary
+        if ctx is None:
+            if not st.active:
+                return func(*args, **kwargs) if kwargs else func(*args)
+            ctx = _context_for(st, args, kwargs)
+            if ctx is None:
+                return func(*args, **kwargs) if kwargs else func(*args)
+        kind = ctx.policy.function_kind(func)
+        if kind is None:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        if kind is EXPAND:
+            return self._expand(st, func, args, kwargs)
+        if (kwargs and "out" in kwargs) or _inside_native_region(st):
+            return func(*args, **kwargs) if kwargs else func(*args)
+        args, kwargs = cast_arguments(kind, ctx, args, kwargs, st, _op_name(func))
+        st.depth += 1
+        try:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        finally:
+            st.depth -= 1
+
+    def _expand(self, st, func, args, kwargs):
+        kwargs = kwargs or {}
+        if func in st.expanding:
+            # The clone's body reached handle_torch_function by another path: run the
+            # original as the mode would without expansion, rather than loop.
+            return func(*args, **kwargs)
+        clone = _clone_without_dispatch_check(func)
+        st.expanding.add(func)
+        try:
+            with self:
+                return clone(*args, **kwargs)
+        finally:
+            st.expanding.discard(func)
+
+
+# -- the aten level (below autograd) ----------------------------------------------------
+def _records_autograd(args, kwargs) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    for t in _iter_tensors(args, kwargs):
+        if t.requires_grad:
+            return True
+    return False
+
+
+class _AtenLevel(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        st = STATE
+        ctx = st.primary
+        if ctx is None:
+            if not st.active:
+                return func(*args, **kwargs) if kwargs else func(*args)
+            ctx = _context_for(st, args, kwargs)
+            if ctx is None:
+                return func(*args, **kwargs) if kwargs else func(*args)
+        kind = ctx.policy.aten_kind(func)
+        if kind is None or st.depth or _records_autograd(args, kwargs):
+            return func(*args, **kwargs) if kwargs else func(*args)
+        args, kwargs = cast_arguments(kind, ctx, args, kwargs, st, str(func))
+        return func(*args, **kwargs) if kwargs else func(*args)

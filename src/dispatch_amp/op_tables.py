@@ -1,0 +1,142 @@
+"""The op tables behind ``Policy.for_device``: which aten ops run in which precision.
+
+Data only. Each table maps a cast kind to aten op names (an ``OpOverloadPacket`` name,
+so every overload of the op follows the rule). ``policy.py`` resolves every name against
+``torch.ops.aten`` when it is imported, so a typo fails loudly, and rejects a name that
+appears under two kinds.
+
+One table serves both levels of the engine (see DESIGN.md fact 1):
+
+- the function level (above autograd) looks up the user-facing call by its aten name:
+  ``torch.mm``, ``Tensor.mm`` and ``F.linear`` reach ``mm`` and ``linear``; composite
+  ops such as ``linear``, ``conv2d`` or ``cross_entropy_loss`` are cast whole, where
+  native autocast casts them;
+- the dispatch level (below autograd) sees ops after decomposition (``_softmax``,
+  ``native_layer_norm``, ``convolution``...), which is why those names are listed too.
+
+Kinds:
+    lower             run in the context's dtype (float16 / bfloat16)
+    fp32              run in float32
+    fp32_unless_dtype run in float32 unless the caller passed an explicit ``dtype=``
+    promote           run in the widest floating dtype among the inputs
+    banned            refuse, with an error naming the safe alternative
+
+The lists follow native autocast in torch 2.13 (the ops registered for the AutocastCUDA
+and AutocastCPU dispatch keys); ``tests/test_native_registrations.py`` walks those
+registrations and checks every entry against a user-facing call.
+"""
+
+LOWER = "lower"
+FP32 = "fp32"
+FP32_UNLESS_DTYPE = "fp32_unless_dtype"
+PROMOTE = "promote"
+BANNED = "banned"
+
+KINDS = (LOWER, FP32, FP32_UNLESS_DTYPE, PROMOTE, BANNED)
+
+CUDA_TABLE = {
+    LOWER: (
+        # convolutions (composite entry points and what they decompose into)
+        "conv1d", "conv2d", "conv3d", "conv_tbc",
+        "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+        "convolution", "_convolution", "cudnn_convolution", "cudnn_convolution_transpose",
+        # matrix products
+        "linear", "matmul", "linalg_matmul", "mm", "mv", "bmm", "addmm", "addmv", "addr",
+        "addbmm", "baddbmm", "einsum", "chain_matmul", "linalg_multi_dot", "linalg_vecdot",
+        # recurrent cells and layers (cuDNN's RNN casts its flattened weights itself)
+        "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
+        "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "lstm", "gru", "rnn_tanh", "rnn_relu",
+        # attention
+        "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+        # misc
+        "prelu",
+    ),
+    FP32: (
+        # pointwise ops that need range or precision
+        "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",
+        "reciprocal", "rsqrt", "sinh", "tan", "pow", "softplus",
+        # normalizations (composite names and their decompositions)
+        "layer_norm", "native_layer_norm", "group_norm", "native_group_norm",
+        "rms_norm", "_fused_rms_norm", "frobenius_norm", "nuclear_norm",
+        # distances and similarities
+        "cosine_similarity", "dist", "pdist", "cdist", "renorm", "logsumexp",
+        # losses
+        "poisson_nll_loss", "cosine_embedding_loss", "nll_loss", "nll_loss_forward",
+        "nll_loss2d", "nll_loss2d_forward", "hinge_embedding_loss", "kl_div", "l1_loss",
+        "smooth_l1_loss", "huber_loss", "mse_loss", "margin_ranking_loss",
+        "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss",
+        "multi_margin_loss", "binary_cross_entropy_with_logits",
+        # Native leaves cross_entropy to its decomposition, log_softmax (fp32) + nll_loss
+        # (fp32), which runs in C++ where our function level cannot see it: float32 whole.
+        "cross_entropy_loss",
+        # resampling
+        "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
+        "_upsample_nearest_exact1d", "_upsample_nearest_exact2d", "_upsample_nearest_exact3d",
+        "upsample_linear1d", "upsample_bilinear2d", "_upsample_bilinear2d_aa",
+        "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_bicubic2d_aa",
+    ),
+    FP32_UNLESS_DTYPE: (
+        "softmax", "_softmax", "log_softmax", "_log_softmax",
+        "cumprod", "cumsum", "prod", "sum",
+        "norm", "linalg_vector_norm", "linalg_matrix_norm",
+    ),
+    PROMOTE: (
+        "addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot",
+        "grid_sampler", "index_put", "tensordot", "scatter_add",
+    ),
+    BANNED: ("binary_cross_entropy",),
+}
+
+CPU_TABLE = {
+    LOWER: (
+        "conv1d", "conv2d", "conv3d", "conv_tbc",
+        "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+        "convolution", "_convolution",
+        "linear", "matmul", "linalg_matmul", "mm", "bmm", "addmm", "addbmm", "baddbmm",
+        "_addmm_activation", "linalg_vecdot",
+        # CPU autocast has no entry for these composites, but every one of them reaches
+        # mm/bmm inside C++ where native casts above autograd; casting them whole is the
+        # only place our function level can do the same.
+        "einsum", "tensordot", "bilinear", "chain_matmul", "linalg_multi_dot", "inner",
+        "mkldnn_rnn_layer", "lstm", "gru", "rnn_tanh", "rnn_relu",
+        "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
+        "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+        "_native_multi_head_attention",
+        "prelu",
+    ),
+    FP32: (
+        # pooling and padding
+        "avg_pool3d", "max_pool3d", "adaptive_avg_pool3d", "adaptive_max_pool3d",
+        "max_unpool2d", "max_unpool3d", "fractional_max_pool2d", "fractional_max_pool3d",
+        "reflection_pad1d", "reflection_pad2d",
+        "replication_pad1d", "replication_pad2d", "replication_pad3d",
+        # sampling
+        "grid_sampler", "grid_sampler_2d", "grid_sampler_3d", "_grid_sampler_2d_cpu_fallback",
+        # reductions and statistics
+        "prod", "quantile", "nanquantile", "trace", "cdist",
+        # complex numbers and spectra
+        "polar", "view_as_complex", "stft",
+        "fft_fft", "fft_ifft", "fft_fft2", "fft_ifft2", "fft_fftn", "fft_ifftn",
+        "fft_rfft", "fft_irfft", "fft_rfft2", "fft_irfft2", "fft_rfftn", "fft_irfftn",
+        "fft_hfft", "fft_ihfft",
+        # linear algebra
+        "cholesky", "cholesky_inverse", "cholesky_solve", "inverse", "lu_solve", "orgqr",
+        "ormqr", "pinverse", "geqrf", "_lu_with_info", "qr", "svd", "triangular_solve",
+        "linalg_cholesky", "linalg_cholesky_ex", "linalg_cond", "linalg_eig", "linalg_eigh",
+        "linalg_eigvals", "linalg_eigvalsh", "linalg_householder_product", "linalg_inv",
+        "linalg_inv_ex", "linalg_lstsq", "linalg_matrix_rank", "linalg_qr", "linalg_solve",
+        "linalg_svd", "linalg_svdvals", "linalg_tensorinv", "linalg_tensorsolve",
+        # quantization
+        "fake_quantize_per_tensor_affine",
+        # losses
+        "binary_cross_entropy", "binary_cross_entropy_with_logits", "cross_entropy_loss",
+        "mse_loss", "cosine_embedding_loss", "nll_loss", "nll_loss_forward", "nll_loss2d",
+        "nll_loss2d_forward", "hinge_embedding_loss", "poisson_nll_loss", "smooth_l1_loss",
+        "l1_loss", "huber_loss", "margin_ranking_loss", "soft_margin_loss",
+        "triplet_margin_loss", "multi_margin_loss", "ctc_loss", "kl_div",
+        "multilabel_margin_loss", "multilabel_margin_loss_forward",
+    ),
+    FP32_UNLESS_DTYPE: (),
+    PROMOTE: ("cat", "stack", "index_copy"),
+    BANNED: (),
+}

@@ -1,0 +1,260 @@
+"""``Policy``: an immutable table that says which ops run in which precision.
+
+A policy maps aten ops (``OpOverloadPacket`` names such as ``"aten::mm"``, or custom ops
+registered with ``torch.library``) to a cast kind; see ``op_tables.py`` for the kinds and
+for the two built-in tables. Every name is resolved against ``torch.ops`` when the policy
+is built, so a typo raises at once instead of silently never casting.
+
+Example::
+
+    import torch, dispatch_amp as amp
+
+    policy = amp.Policy.for_device("cuda").with_ops(fp32=["mm"])   # keep matmuls in fp32
+    with amp.autocast("cpu", policy=policy):
+        ...
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch._ops import OpOverload, OpOverloadPacket
+
+from . import op_tables
+from .op_tables import BANNED, FP32, FP32_UNLESS_DTYPE, KINDS, LOWER, PROMOTE
+
+__all__ = ["Policy", "LOWER", "FP32", "FP32_UNLESS_DTYPE", "PROMOTE", "BANNED"]
+
+# Marks a Python composite from torch whose body must run with the function level still
+# active (see _engine.expand_python_composite).
+EXPAND = "expand"
+
+# Python-level names whose aten op is spelled differently.
+_FUNCTION_ALIASES = {
+    "__matmul__": "matmul",
+    "__rmatmul__": "matmul",
+    "__rpow__": "pow",
+    "cross_entropy": "cross_entropy_loss",
+}
+
+OpLike = str | OpOverloadPacket | OpOverload
+
+
+def _qualified_name(op: OpLike) -> str:
+    """Returns ``namespace::name`` for an op given as a packet, an overload or a string."""
+    if isinstance(op, OpOverload):
+        return op.overloadpacket._qualified_op_name
+    if isinstance(op, OpOverloadPacket):
+        return op._qualified_op_name
+    if not isinstance(op, str):
+        raise TypeError(
+            f"an op must be a string such as 'aten::mm', a torch.ops packet or an overload, "
+            f"got {type(op).__name__}"
+        )
+    namespace, sep, name = op.partition("::")
+    if not sep:
+        namespace, name = "aten", op
+    # An overload suffix ("pow.Tensor_Scalar") names the packet: rules apply per op.
+    name = name.split(".", 1)[0]
+    try:
+        packet = getattr(getattr(torch.ops, namespace), name)
+    except (AttributeError, RuntimeError):
+        packet = None
+    if not isinstance(packet, OpOverloadPacket):
+        raise ValueError(
+            f"unknown op {namespace}::{name}: no such operator is registered with torch.ops "
+            f"(check the spelling, or register the custom op before building the policy)"
+        )
+    return packet._qualified_op_name
+
+
+def _rules_from_table(table: Mapping[str, Iterable[OpLike]]) -> dict[str, str]:
+    unknown = set(table) - set(KINDS)
+    if unknown:
+        raise ValueError(f"unknown cast kind(s) {sorted(unknown)}; kinds are {list(KINDS)}")
+    rules: dict[str, str] = {}
+    for kind, ops in table.items():
+        if isinstance(ops, (str, OpOverload, OpOverloadPacket)):
+            raise TypeError(f"the ops of kind {kind!r} must be a list of ops, not a single op")
+        for op in ops:
+            name = _qualified_name(op)
+            if name in rules:
+                raise ValueError(
+                    f"{name} is registered twice, as {rules[name]!r} and as {kind!r}: "
+                    f"an op has exactly one cast kind"
+                )
+            rules[name] = kind
+    return rules
+
+
+class Policy:
+    """Which ops autocast runs in lower precision, in float32, promoted, or refuses.
+
+    Build one from a device's built-in table with ``Policy.for_device("cuda")`` or
+    ``Policy.for_device("cpu")`` and derive variants with ``with_ops`` (add or move ops,
+    custom ops included) and ``without_ops``. Policies are immutable and hashable.
+
+    Example::
+
+        p = Policy.for_device("cpu")
+        p.kind_of("mm")                         # 'lower'
+        p2 = p.with_ops(fp32=["aten::mm"]).without_ops("conv2d")
+        p2.kind_of("mm"), p2.kind_of("conv2d")  # ('fp32', None)
+    """
+
+    __slots__ = ("name", "_rules", "_function_kinds", "_aten_kinds", "_hash")
+
+    def __init__(self, table: Mapping[str, Iterable[OpLike]], *, name: str = "custom"):
+        self.name = name
+        self._rules: Mapping[str, str] = types.MappingProxyType(_rules_from_table(table))
+        self._hash = hash(frozenset(self._rules.items()))
+        # Memos filled on first sight of a callable / overload; the policy itself never
+        # changes, so they never need invalidating.
+        self._function_kinds: dict = {}
+        self._aten_kinds: dict = {}
+
+    @classmethod
+    def for_device(cls, device_type: str) -> Policy:
+        """The built-in policy of ``"cuda"`` or ``"cpu"``, matching native autocast.
+
+        Example::
+
+            Policy.for_device("cuda").kind_of("softmax")   # 'fp32_unless_dtype'
+        """
+        try:
+            return _BUILTIN[device_type]
+        except (KeyError, TypeError):
+            raise ValueError(
+                f"no built-in policy for device type {device_type!r}; "
+                f"built-in policies: {sorted(_BUILTIN)}"
+            ) from None
+
+    # -- reading ------------------------------------------------------------------------
+    @property
+    def rules(self) -> Mapping[str, str]:
+        """Read-only mapping of qualified op name (``"aten::mm"``) to cast kind."""
+        return self._rules
+
+    def kind_of(self, op: OpLike) -> str | None:
+        """The cast kind of ``op`` (``"lower"``, ``"fp32"``...), or None if it runs as given."""
+        return self._rules.get(_qualified_name(op))
+
+    def ops(self, kind: str) -> frozenset[str]:
+        """The qualified names of the ops of one kind."""
+        if kind not in KINDS:
+            raise ValueError(f"unknown cast kind {kind!r}; kinds are {list(KINDS)}")
+        return frozenset(name for name, k in self._rules.items() if k == kind)
+
+    def table(self) -> dict[str, tuple[str, ...]]:
+        """The policy as a table ``{kind: (op names...)}``, the form the constructor takes."""
+        return {kind: tuple(sorted(self.ops(kind))) for kind in KINDS}
+
+    # -- deriving -----------------------------------------------------------------------
+    def with_ops(
+        self,
+        *,
+        lower: Iterable[OpLike] = (),
+        fp32: Iterable[OpLike] = (),
+        fp32_unless_dtype: Iterable[OpLike] = (),
+        promote: Iterable[OpLike] = (),
+        banned: Iterable[OpLike] = (),
+        name: str | None = None,
+    ) -> Policy:
+        """A copy with ops added, or moved to another kind if they were already listed.
+
+        Example::
+
+            Policy.for_device("cuda").with_ops(lower=["torch_ext::fused_gelu"], fp32=["mm"])
+        """
+        changes = _rules_from_table(
+            {LOWER: lower, FP32: fp32, FP32_UNLESS_DTYPE: fp32_unless_dtype,
+             PROMOTE: promote, BANNED: banned}
+        )
+        rules = dict(self._rules)
+        rules.update(changes)
+        return Policy._from_rules(rules, name or self.name)
+
+    def without_ops(self, *ops: OpLike, name: str | None = None) -> Policy:
+        """A copy in which ``ops`` are no longer cast (they run with their inputs as given).
+
+        Example::
+
+            Policy.for_device("cpu").without_ops("cat", "stack")
+        """
+        rules = dict(self._rules)
+        for op in ops:
+            qualified = _qualified_name(op)
+            if qualified not in rules:
+                raise ValueError(f"{qualified} is not in policy {self.name!r}, nothing to remove")
+            del rules[qualified]
+        return Policy._from_rules(rules, name or self.name)
+
+    @classmethod
+    def _from_rules(cls, rules: Mapping[str, str], name: str) -> Policy:
+        table: dict[str, list[str]] = {kind: [] for kind in KINDS}
+        for op_name, kind in rules.items():
+            table[kind].append(op_name)
+        return cls(table, name=name)
+
+    # -- engine lookups (memoized; the hot path is one dict.get) ------------------------
+    def function_kind(self, func) -> str | None:
+        """Cast kind for a callable seen by the function level (memoized per callable)."""
+        try:
+            return self._function_kinds[func]
+        except KeyError:
+            pass
+        except TypeError:  # unhashable callable: resolve every time
+            return self._resolve_function(func)
+        kind = self._function_kinds[func] = self._resolve_function(func)
+        return kind
+
+    def _resolve_function(self, func) -> str | None:
+        if isinstance(func, OpOverload):
+            return self._resolve_overload(func)
+        if isinstance(func, OpOverloadPacket):
+            return self._rules.get(func._qualified_op_name)
+        name = getattr(func, "__name__", None)
+        if isinstance(name, str):
+            kind = self._rules.get("aten::" + _FUNCTION_ALIASES.get(name, name))
+            if kind is not None:
+                return kind
+        if isinstance(func, types.FunctionType) and (func.__module__ or "").startswith("torch"):
+            return EXPAND
+        return None
+
+    def aten_kind(self, func: OpOverload) -> str | None:
+        """Cast kind for an aten overload seen by the dispatch level (memoized)."""
+        try:
+            return self._aten_kinds[func]
+        except KeyError:
+            kind = self._aten_kinds[func] = self._resolve_overload(func)
+            return kind
+
+    def _resolve_overload(self, func: OpOverload) -> str | None:
+        # out= and in-place overloads share the packet of the functional op; native
+        # autocast never casts them, so neither do we.
+        schema = func._schema
+        if func._overloadname == "out" or any(
+            a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
+        ):
+            return None
+        return self._rules.get(func.overloadpacket._qualified_op_name)
+
+    # -- value semantics ----------------------------------------------------------------
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Policy) and self._rules == other._rules
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        counts = ", ".join(f"{kind}={len(self.ops(kind))}" for kind in KINDS)
+        return f"Policy(name={self.name!r}, {counts})"
+
+
+_BUILTIN = {
+    "cuda": Policy(op_tables.CUDA_TABLE, name="cuda"),
+    "cpu": Policy(op_tables.CPU_TABLE, name="cpu"),
+}
