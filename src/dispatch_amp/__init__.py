@@ -13,3 +13,5 @@ __version__ = "0.1.0"
 
 from .autocast import autocast, get_autocast_dtype, is_autocast_enabled  # noqa: E402
 from .policy import Policy  # noqa: E402
+from .checkpoint import checkpoint  # noqa: E402
+from .custom_function import custom_bwd, custom_fwd  # noqa: E402

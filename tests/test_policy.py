@@ -1,0 +1,93 @@
+"""Policy: validated op tables, derived copies, custom ops."""
+
+import pytest
+import torch
+
+import dispatch_amp as amp
+from dispatch_amp import op_tables
+from dispatch_amp.policy import Policy
+
+
+def test_builtin_tables_resolve_and_have_no_duplicates():
+    for device in ("cuda", "cpu"):
+        p = Policy.for_device(device)
+        names = [n for kind in op_tables.KINDS for n in p.ops(kind)]
+        assert len(names) == len(set(names)) == len(p.rules)
+        assert all(n.startswith("aten::") for n in names)
+
+
+def test_device_tables_differ_where_native_differs():
+    cuda, cpu = Policy.for_device("cuda"), Policy.for_device("cpu")
+    # DESIGN fact 5: on CPU native leaves layer_norm, softmax and exp in the input dtype.
+    for op in ("layer_norm", "softmax", "exp"):
+        assert cpu.kind_of(op) is None
+        assert cuda.kind_of(op) in (op_tables.FP32, op_tables.FP32_UNLESS_DTYPE)
+    assert cuda.kind_of("binary_cross_entropy") == op_tables.BANNED
+    assert cpu.kind_of("binary_cross_entropy") == op_tables.FP32
+    assert cpu.kind_of("cat") == cuda.kind_of("addcmul") == op_tables.PROMOTE
+
+
+def test_typo_fails_loudly():
+    with pytest.raises(ValueError, match="unknown op aten::mmm"):
+        Policy({op_tables.LOWER: ["mmm"]})
+    with pytest.raises(ValueError, match="unknown cast kind"):
+        Policy({"lowr": ["mm"]})
+    with pytest.raises(TypeError, match="list of ops"):
+        Policy({op_tables.LOWER: "mm"})
+
+
+def test_duplicate_registration_is_rejected():
+    with pytest.raises(ValueError, match="aten::mm is registered twice"):
+        Policy({op_tables.LOWER: ["mm"], op_tables.FP32: ["aten::mm"]})
+    with pytest.raises(ValueError, match="registered twice"):
+        Policy({op_tables.LOWER: ["mm", torch.ops.aten.mm.default]})
+
+
+def test_with_ops_adds_and_moves_without_touching_the_original():
+    base = Policy.for_device("cuda")
+    derived = base.with_ops(fp32=["mm"], lower=["aten::exp"], name="mine")
+    assert derived.kind_of(torch.ops.aten.mm) == op_tables.FP32
+    assert derived.kind_of("exp") == op_tables.LOWER
+    assert base.kind_of("mm") == op_tables.LOWER and base.kind_of("exp") == op_tables.FP32
+    assert derived.name == "mine" and derived != base
+    with pytest.raises(ValueError, match="registered twice"):
+        base.with_ops(fp32=["mm"], lower=["mm"])
+
+
+def test_without_ops_removes_and_refuses_unknown():
+    p = Policy.for_device("cpu").without_ops("cat", torch.ops.aten.stack)
+    assert p.kind_of("cat") is None and p.kind_of("stack") is None
+    with pytest.raises(ValueError, match="not in policy"):
+        p.without_ops("cat")
+
+
+def test_policies_are_values():
+    a = Policy.for_device("cpu").with_ops(fp32=["mm"])
+    b = Policy.for_device("cpu").with_ops(fp32=["mm"])
+    assert a == b and hash(a) == hash(b)
+    assert Policy(a.table()) == a
+    with pytest.raises(TypeError):
+        a.rules["aten::mm"] = "lower"  # read-only mapping
+    assert "fp32=" in repr(a)
+
+
+def test_unknown_device_policy():
+    with pytest.raises(ValueError, match="built-in policies"):
+        Policy.for_device("tpu")
+
+
+# A custom op, registered once for the whole module.
+_lib = torch.library.Library("dispatch_amp_test", "DEF")  # noqa: TOR901
+_lib.define("scale2(Tensor x) -> Tensor")
+_lib.impl("scale2", lambda x: x * 2, "CompositeExplicitAutograd")
+
+
+def test_custom_op_can_be_added_and_is_cast():
+    policy = Policy.for_device("cpu").with_ops(lower=["dispatch_amp_test::scale2"])
+    assert policy.kind_of(torch.ops.dispatch_amp_test.scale2) == op_tables.LOWER
+    x = torch.randn(4)
+    with amp.autocast("cpu", policy=policy):
+        assert torch.ops.dispatch_amp_test.scale2(x).dtype == torch.bfloat16
+        assert torch.ops.dispatch_amp_test.scale2.default(x).dtype == torch.bfloat16
+    with amp.autocast("cpu"):
+        assert torch.ops.dispatch_amp_test.scale2(x).dtype == torch.float32
