@@ -382,7 +382,12 @@ class _AtenLevel(TorchDispatchMode):
             if ctx is None:
                 return func(*args, **kwargs) if kwargs else func(*args)
         kind = ctx.policy.aten_kind(func)
-        if kind is None or st.depth or _records_autograd(args, kwargs):
+        if (
+            kind is None
+            or st.depth
+            or _records_autograd(args, kwargs)
+            or _inside_native_region(st)
+        ):
             return func(*args, **kwargs) if kwargs else func(*args)
         args, kwargs = cast_arguments(kind, ctx, args, kwargs, st, str(func))
         return func(*args, **kwargs) if kwargs else func(*args)

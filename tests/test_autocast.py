@@ -1,0 +1,471 @@
+"""autocast: arguments, nesting, threads, native's casting rules, cache, autograd interplay."""
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import dispatch_amp as amp
+from dispatch_amp import _engine
+
+CUDA_POLICY = amp.Policy.for_device("cuda")
+
+
+def mm_dtype():
+    a = torch.randn(4, 4)
+    return torch.mm(a, a).dtype
+
+
+class CountOps(TorchDispatchMode):
+    """Counts aten calls by packet name (e.g. casts: '_to_copy')."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(autouse=True)
+def no_state_leaks():
+    yield
+    assert _engine.STATE.frames == [] and _engine.STATE.modes is None
+    assert not amp.is_autocast_enabled("cpu")
+
+
+# -- arguments ----------------------------------------------------------------------
+def test_defaults_per_device():
+    assert amp.autocast("cpu").fast_dtype == torch.bfloat16
+    assert amp.autocast("cuda").fast_dtype == torch.float16
+    assert amp.get_autocast_dtype("cpu") == torch.bfloat16
+    assert amp.get_autocast_dtype("cuda") == torch.float16
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"device_type": "tpu"}, ValueError, r"supports \['cpu', 'cuda'\]"),
+        ({"device_type": torch.device("cpu")}, TypeError, "pass device.type"),
+        ({"device_type": 0}, TypeError, "must be a string"),
+        ({"device_type": "cpu", "dtype": torch.float32}, ValueError, "supports dtype"),
+        ({"device_type": "cpu", "dtype": "bfloat16"}, TypeError, "torch.dtype"),
+        ({"device_type": "cpu", "enabled": 1}, TypeError, "enabled must be a bool"),
+        ({"device_type": "cpu", "cache_enabled": None}, TypeError, "cache_enabled"),
+        ({"device_type": "cpu", "policy": "cuda"}, TypeError, "Policy.for_device"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        amp.autocast(**kwargs)
+
+
+def test_state_queries_validate_device_type():
+    with pytest.raises(ValueError, match="supports"):
+        amp.is_autocast_enabled("xla")
+
+
+# -- nesting and threads ------------------------------------------------------------
+def test_nesting_inner_wins_and_outer_returns():
+    assert mm_dtype() == torch.float32
+    with amp.autocast("cpu"):
+        assert amp.is_autocast_enabled("cpu") and not amp.is_autocast_enabled("cuda")
+        assert mm_dtype() == torch.bfloat16
+        with amp.autocast("cpu", enabled=False):
+            assert not amp.is_autocast_enabled("cpu")
+            assert mm_dtype() == torch.float32
+        with amp.autocast("cpu", dtype=torch.float16):
+            assert amp.get_autocast_dtype("cpu") == torch.float16
+            assert mm_dtype() == torch.float16
+        assert mm_dtype() == torch.bfloat16
+    assert mm_dtype() == torch.float32
+
+
+def test_state_restored_when_an_exception_escapes():
+    with pytest.raises(KeyError):
+        with amp.autocast("cpu"):
+            with amp.autocast("cpu", enabled=False):
+                raise KeyError("boom")
+    assert mm_dtype() == torch.float32
+
+
+def test_disabled_outer_then_enabled_inner():
+    with amp.autocast("cpu", enabled=False):
+        assert mm_dtype() == torch.float32
+        with amp.autocast("cpu"):
+            assert mm_dtype() == torch.bfloat16
+        assert mm_dtype() == torch.float32
+
+
+def test_same_instance_can_be_reentered():
+    ctx = amp.autocast("cpu")
+    with ctx:
+        with ctx:
+            assert mm_dtype() == torch.bfloat16
+        assert mm_dtype() == torch.bfloat16
+
+
+def test_decorator():
+    @amp.autocast("cpu")
+    def f(a):
+        return torch.mm(a, a)
+
+    assert f(torch.randn(2, 2)).dtype == torch.bfloat16
+    assert mm_dtype() == torch.float32
+    with pytest.raises(TypeError, match="generator"):
+
+        @amp.autocast("cpu")
+        def gen():
+            yield
+
+
+def test_state_is_per_thread():
+    seen = {}
+
+    def other():
+        seen["enabled"] = amp.is_autocast_enabled("cpu")
+        seen["dtype"] = mm_dtype()
+
+    with amp.autocast("cpu"):
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        assert mm_dtype() == torch.bfloat16
+    assert seen == {"enabled": False, "dtype": torch.float32}
+
+
+def test_native_disabled_region_inside_ours_is_honoured():
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    with amp.autocast("cpu"):
+        with torch.autocast("cpu", enabled=False):
+            assert lin(x).dtype == torch.float32
+            assert mm_dtype() == torch.float32
+        assert lin(x).dtype == torch.bfloat16
+
+
+@st.composite
+def frame_programs(draw):
+    n = draw(st.integers(1, 5))
+    frames = [
+        (draw(st.booleans()), draw(st.sampled_from([None, torch.bfloat16, torch.float16])))
+        for _ in range(n)
+    ]
+    raise_at = draw(st.one_of(st.none(), st.integers(0, n - 1)))
+    return frames, raise_at
+
+
+@given(frame_programs())
+def test_random_nesting_with_exceptions_restores_state(program):
+    frames, raise_at = program
+
+    def expected(stack):
+        enabled, dtype = False, torch.float32
+        for on, d in stack:
+            if on:
+                enabled, dtype = True, d or torch.bfloat16
+            else:
+                enabled = False
+        return dtype if enabled else torch.float32
+
+    def enter(depth):
+        if depth == len(frames):
+            return
+        on, d = frames[depth]
+        with amp.autocast("cpu", dtype=d, enabled=on):
+            assert mm_dtype() == expected(frames[: depth + 1])
+            assert amp.is_autocast_enabled("cpu") == on
+            if raise_at == depth:
+                raise ValueError(depth)
+            enter(depth + 1)
+            assert mm_dtype() == expected(frames[: depth + 1])
+
+    if raise_at is None:
+        enter(0)
+    else:
+        with pytest.raises(ValueError):
+            enter(0)
+    assert mm_dtype() == torch.float32
+
+
+# -- native's casting rules -----------------------------------------------------------
+def test_float64_integers_and_other_devices_are_never_cast():
+    d = torch.randn(3, 3, dtype=torch.float64)
+    i = torch.ones(3, 3, dtype=torch.int64)
+    meta = torch.randn(3, 3, device="meta")
+    with amp.autocast("cpu"):
+        assert torch.mm(d, d).dtype == torch.float64
+        assert torch.mm(i, i).dtype == torch.int64
+        assert torch.mm(meta, meta).dtype == torch.float32
+
+
+def test_in_place_and_out_are_not_cast():
+    a = torch.randn(4, 4)
+    out = torch.empty(4, 4)
+    with amp.autocast("cpu", policy=CUDA_POLICY):
+        torch.mm(a, a, out=out)
+        assert out.dtype == torch.float32
+        h = torch.randn(4, dtype=torch.float16)
+        h.exp_()  # exp is float32 under the CUDA table; the in-place form is left alone
+        assert h.dtype == torch.float16
+        assert torch.exp(h).dtype == torch.float32
+    torch.testing.assert_close(out, a @ a)
+
+
+def test_ops_outside_the_tables_run_as_given():
+    a = torch.randn(4, dtype=torch.bfloat16)
+    b = torch.randn(4)
+    with amp.autocast("cpu"):
+        assert (a + b).dtype == torch.float32  # ordinary type promotion
+        assert torch.relu(a).dtype == torch.bfloat16
+
+
+def test_promote_looks_inside_lists():
+    lo = torch.randn(3, dtype=torch.bfloat16)
+    hi = torch.randn(3)
+    with amp.autocast("cpu"):
+        assert torch.cat([lo, lo]).dtype == torch.bfloat16
+        assert torch.cat([lo, hi]).dtype == torch.float32
+        assert torch.stack((hi, lo)).dtype == torch.float32
+    with amp.autocast("cpu", dtype=torch.float16, policy=CUDA_POLICY):
+        h = torch.randn(3, dtype=torch.float16)
+        assert torch.addcmul(h, h, h).dtype == torch.float16
+        assert torch.addcmul(hi, h, h).dtype == torch.float32
+
+
+def test_binary_cross_entropy_is_refused_under_the_cuda_table():
+    p = torch.rand(4)
+    y = torch.rand(4)
+    with amp.autocast("cpu", policy=CUDA_POLICY):
+        with pytest.raises(RuntimeError, match="binary_cross_entropy_with_logits"):
+            F.binary_cross_entropy(p, y)
+        with pytest.raises(RuntimeError, match="BCEWithLogitsLoss"):
+            torch.nn.BCELoss()(p, y)
+        assert F.binary_cross_entropy_with_logits(p, y).dtype == torch.float32
+    with amp.autocast("cpu"):  # the CPU table runs it in float32, as native does
+        assert F.binary_cross_entropy(p, y).dtype == torch.float32
+
+
+def test_explicit_dtype_argument_is_respected_by_fp32_ops():
+    x = torch.randn(8, dtype=torch.float16)
+    with amp.autocast("cpu", dtype=torch.float16, policy=CUDA_POLICY):
+        assert torch.softmax(x, 0).dtype == torch.float32
+        assert torch.softmax(x, 0, dtype=torch.float16).dtype == torch.float16
+        assert x.sum(dtype=torch.float64).dtype == torch.float64
+
+
+def test_aten_level_applies_the_policy_where_autograd_records_nothing():
+    # pairwise_distance decomposes in C++ into ops the function level never sees; under
+    # no_grad the aten level casts its norm to float32, as native CUDA autocast does.
+    a = torch.randn(4, 8, dtype=torch.float16)
+    with torch.no_grad(), amp.autocast("cpu", dtype=torch.float16, policy=CUDA_POLICY):
+        assert F.pairwise_distance(a, a).dtype == torch.float32
+
+
+# -- weight-cast cache ----------------------------------------------------------------
+def test_weight_used_several_times_is_cast_once():
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    counter = CountOps()
+    with amp.autocast("cpu"):
+        with counter:
+            for _ in range(3):
+                lin(x)
+    # weight and bias cast once each, the bf16 input needs no cast
+    assert counter.counts.get("_to_copy", 0) == 2
+
+
+def test_cache_disabled_casts_every_time():
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    counter = CountOps()
+    with amp.autocast("cpu", cache_enabled=False):
+        with counter:
+            for _ in range(3):
+                lin(x)
+    assert counter.counts.get("_to_copy", 0) == 6
+
+
+def test_in_place_change_invalidates_the_cached_cast():
+    lin = torch.nn.Linear(8, 8, bias=False)
+    x = torch.randn(2, 8)
+    with amp.autocast("cpu"):
+        before = lin(x)
+        with torch.no_grad():
+            lin.weight.mul_(2)
+        after = lin(x)
+    torch.testing.assert_close(after.float(), 2 * before.float(), rtol=2e-2, atol=1e-2)
+
+
+def test_cache_is_dropped_at_exit_and_not_shared_across_grad_modes():
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(2, 8)
+    with amp.autocast("cpu"):
+        with torch.no_grad():
+            lin(x)
+        # the cast made under no_grad has no history: the next op must get a fresh one
+        lin(x).float().sum().backward()
+        assert _engine.STATE.cache
+    assert not _engine.STATE.cache
+    assert lin.weight.grad is not None
+
+
+# -- autograd -------------------------------------------------------------------------
+def test_backward_outside_gives_native_gradients_in_parameter_dtype():
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+    grads = []
+    for ctx in (torch.autocast("cpu"), amp.autocast("cpu")):
+        with ctx:
+            loss = torch.mm(x, w).exp().sum()
+        (g,) = torch.autograd.grad(loss, w)
+        grads.append(g)
+    assert grads[1].dtype == torch.float32
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_autograd_saves_the_low_precision_copies():
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(t.dtype)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with amp.autocast("cpu"):
+            torch.mm(x, w)
+    assert saved == [torch.bfloat16, torch.bfloat16]
+
+
+def test_in_place_modification_error_still_fires():
+    a = torch.randn(4, 4, requires_grad=True)
+    with amp.autocast("cpu"):
+        e = torch.mm(a, a).exp()
+        e.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        e.sum().backward()
+
+
+def test_in_place_op_after_a_cast_keeps_gradients_right():
+    w = torch.randn(4, 4, requires_grad=True)
+    grads = []
+    for ctx in (torch.autocast("cpu"), amp.autocast("cpu")):
+        with ctx:
+            h = torch.mm(w, w)
+            h.mul_(2)
+            loss = h.float().sum()
+        grads.append(torch.autograd.grad(loss, w)[0])
+    assert torch.equal(*grads)
+
+
+def test_no_grad_and_inference_mode():
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    with amp.autocast("cpu"):
+        with torch.no_grad():
+            assert lin(x).dtype == torch.bfloat16
+        with torch.inference_mode():
+            assert lin(x).dtype == torch.bfloat16
+            assert F.layer_norm(x, (4,)).dtype == torch.float32
+
+
+def test_double_backward_matches_native():
+    w = torch.randn(6, 6, requires_grad=True)
+    x = torch.randn(6, 6)
+    results = []
+    for ctx in (torch.autocast("cpu"), amp.autocast("cpu")):
+        with ctx:
+            out = torch.mm(x, w).float().pow(2).sum()
+        (g,) = torch.autograd.grad(out, w, create_graph=True)
+        (gg,) = torch.autograd.grad(g.sum(), w)
+        results.append((g, gg))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+
+
+class _ScaledMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return torch.mm(x, w) * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return torch.mm(grad, w.t().to(grad.dtype)) * 2, torch.mm(x.t().to(grad.dtype), grad) * 2
+
+
+def test_custom_autograd_function_with_save_for_backward():
+    x = torch.randn(4, 4, requires_grad=True)
+    w = torch.randn(4, 4, requires_grad=True)
+    outs = []
+    for ctx in (torch.autocast("cpu"), amp.autocast("cpu")):
+        with ctx:
+            y = _ScaledMatmul.apply(x, w)
+        y.float().sum().backward()
+        outs.append((y, x.grad.clone(), w.grad.clone()))
+        x.grad = w.grad = None
+    assert outs[1][0].dtype == torch.bfloat16
+    for native, ours in zip(outs[0], outs[1]):
+        assert torch.equal(native, ours)
+
+
+# -- checkpointing and torch.compile ----------------------------------------------------
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_checkpoint_recomputes_under_our_state(use_reentrant):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 16)
+    x = torch.randn(4, 16, requires_grad=True)
+
+    def block(t):
+        return lin(t).relu().sum(-1)
+
+    grads = []
+    for ctx, ckpt in (
+        (torch.autocast("cpu"), torch.utils.checkpoint.checkpoint),
+        (amp.autocast("cpu"), amp.checkpoint),
+    ):
+        lin.zero_grad()
+        with ctx:
+            y = ckpt(block, x, use_reentrant=use_reentrant)
+        y.float().sum().backward()
+        grads.append(lin.weight.grad.clone())
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(*grads)
+
+
+def test_plain_torch_checkpoint_fails_loudly_not_silently():
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(2, 8, requires_grad=True)
+    with amp.autocast("cpu"):
+        y = torch.utils.checkpoint.checkpoint(lambda t: lin(t), x, use_reentrant=False)
+    with pytest.raises(torch.utils.checkpoint.CheckpointError):
+        y.float().sum().backward()
+
+
+def test_torch_compile_runs_eagerly_with_our_casts():
+    torch._dynamo.reset()
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(2, 8)
+
+    def f(t):
+        return lin(t).relu()
+
+    compiled = torch.compile(f, backend="eager")
+    with amp.autocast("cpu"):
+        expected = f(x)
+        got = compiled(x)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
+    strict = torch.compile(f, backend="eager", fullgraph=True)
+    with amp.autocast("cpu"), pytest.raises(RuntimeError):
+        strict(x)
+    torch._dynamo.reset()
