@@ -165,15 +165,32 @@ def _context_for(st: _ThreadState, args, kwargs) -> DeviceContext | None:
     return None
 
 
+# Tensor.float()/.half()/.bfloat16() parse their arguments faster than .to(dtype) and
+# record the same cast for autograd.
+_CAST_METHODS = {
+    torch.float32: _Tensor.float,
+    torch.float16: _Tensor.half,
+    torch.bfloat16: _Tensor.bfloat16,
+}
+# The cheap per-device test (t.is_cpu is several times faster than t.device.type).
+_DEVICE_TESTS = {"cpu": _Tensor.is_cpu.__get__, "cuda": _Tensor.is_cuda.__get__}
+
+
+def _on_device(t: _Tensor, device_type: str) -> bool:
+    test = _DEVICE_TESTS.get(device_type)
+    return test(t) if test is not None else t.device.type == device_type
+
+
 def _cast_one(t: _Tensor, dtype: torch.dtype, ctx: DeviceContext, st: _ThreadState):
     # Native rule: only floating tensors of the context's device, never float64.
     if (
         t.dtype is dtype
         or not t.is_floating_point()
         or t.dtype is _float64
-        or t.device.type != ctx.device_type
+        or not _on_device(t, ctx.device_type)
     ):
         return t
+    to = _CAST_METHODS.get(dtype)
     # Native caches lower-precision casts of fp32 leaves that require grad (weights).
     # The grad mode is part of the key: a cast made under no_grad has no history and
     # must not be handed to a later op that records one.
@@ -182,22 +199,22 @@ def _cast_one(t: _Tensor, dtype: torch.dtype, ctx: DeviceContext, st: _ThreadSta
         hit = st.cache.get(key)
         if hit is not None and hit[0] is t and hit[1] == t._version:
             return hit[2]
-        out = t.to(dtype)
+        out = to(t) if to is not None else t.to(dtype)
         st.casts += 1
         st.cache[key] = (t, t._version, out)
         return out
     st.casts += 1
-    return t.to(dtype)
+    return to(t) if to is not None else t.to(dtype)
 
 
-def _map_tensors(args, fn):
-    """Applies fn to tensors in args, looking one level inside lists and tuples."""
+def _map_tensors(args, dtype, ctx, st):
+    """Casts the tensors in args, looking one level inside lists and tuples."""
     out = None
     for i, a in enumerate(args):
         if isinstance(a, _Tensor):
-            b = fn(a)
+            b = _cast_one(a, dtype, ctx, st)
         elif isinstance(a, (list, tuple)) and a and any(isinstance(x, _Tensor) for x in a):
-            b = type(a)(fn(x) if isinstance(x, _Tensor) else x for x in a)
+            b = type(a)(_cast_one(x, dtype, ctx, st) if isinstance(x, _Tensor) else x for x in a)
         else:
             continue
         if b is not a:
@@ -257,7 +274,7 @@ def _banned_message(name: str) -> str:
     )
 
 
-def cast_arguments(kind: str, ctx: DeviceContext, args, kwargs, st: _ThreadState, name):
+def cast_arguments(kind: str, ctx: DeviceContext, args, kwargs, st: _ThreadState, func):
     """Returns (args, kwargs) cast per ``kind``; raises for banned ops."""
     if kind is LOWER:
         dtype = ctx.dtype
@@ -273,17 +290,15 @@ def cast_arguments(kind: str, ctx: DeviceContext, args, kwargs, st: _ThreadState
     elif kind is PROMOTE:
         dtype = _promote_dtype(ctx, args, kwargs)
     elif kind is BANNED:
-        raise RuntimeError(_banned_message(name))
+        raise RuntimeError(_banned_message(_op_name(func)))
     else:  # pragma: no cover - kinds are validated when the policy is built
         raise AssertionError(kind)
-
-    def cast(t):
-        return _cast_one(t, dtype, ctx, st)
-
-    args = _map_tensors(args, cast)
+    args = _map_tensors(args, dtype, ctx, st)
     if kwargs:
-        new_values = _map_tensors(tuple(kwargs.values()), cast)
-        kwargs = dict(zip(kwargs.keys(), new_values))
+        values = tuple(kwargs.values())
+        new_values = _map_tensors(values, dtype, ctx, st)
+        if new_values is not values:
+            kwargs = dict(zip(kwargs.keys(), new_values))
     return args, kwargs
 
 
@@ -339,12 +354,18 @@ class _FunctionLevel(TorchFunctionMode):
             return self._expand(st, func, args, kwargs)
         if (kwargs and "out" in kwargs) or _inside_native_region(st):
             return func(*args, **kwargs) if kwargs else func(*args)
-        args, kwargs = cast_arguments(kind, ctx, args, kwargs, st, _op_name(func))
+        # The op and its casts run with the aten level off the dispatch stack: it would
+        # stand aside inside an op cast here anyway (native excludes autocast inside the
+        # ops it handles), and every aten op it sees costs a Python call.
+        aten_level = _pop_aten_level(st)
         st.depth += 1
         try:
+            args, kwargs = cast_arguments(kind, ctx, args, kwargs, st, func)
             return func(*args, **kwargs) if kwargs else func(*args)
         finally:
             st.depth -= 1
+            if aten_level is not None:
+                torch._C._push_on_torch_dispatch_stack(aten_level)
 
     def _expand(self, st, func, args, kwargs):
         kwargs = kwargs or {}
@@ -362,6 +383,15 @@ class _FunctionLevel(TorchFunctionMode):
 
 
 # -- the aten level (below autograd) ----------------------------------------------------
+def _pop_aten_level(st: _ThreadState):
+    """Takes our aten level off the dispatch stack if it is on top; returns it or None."""
+    aten_level = st.modes[1]
+    depth = torch._C._len_torch_dispatch_stack()
+    if depth and torch._C._get_dispatch_stack_at(depth - 1) is aten_level:
+        return torch._C._pop_torch_dispatch_stack(None)
+    return None
+
+
 def _records_autograd(args, kwargs) -> bool:
     if not torch.is_grad_enabled():
         return False
@@ -389,5 +419,5 @@ class _AtenLevel(TorchDispatchMode):
             or _inside_native_region(st)
         ):
             return func(*args, **kwargs) if kwargs else func(*args)
-        args, kwargs = cast_arguments(kind, ctx, args, kwargs, st, str(func))
+        args, kwargs = cast_arguments(kind, ctx, args, kwargs, st, func)
         return func(*args, **kwargs) if kwargs else func(*args)
