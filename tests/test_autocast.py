@@ -460,11 +460,16 @@ def test_torch_compile_runs_eagerly_with_our_casts():
     def f(t):
         return lin(t).relu()
 
-    compiled = torch.compile(f, backend="eager")
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    compiled = torch.compile(f, backend=counter)
     with amp.autocast("cpu"):
         expected = f(x)
         got = compiled(x)
     assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
+    # Nothing was compiled, not even our own casting code: the call ran eagerly.
+    assert counter.frame_count == 0
     strict = torch.compile(f, backend="eager", fullgraph=True)
     with amp.autocast("cpu"), pytest.raises(RuntimeError):
         strict(x)

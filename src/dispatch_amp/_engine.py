@@ -36,6 +36,11 @@ from .op_tables import BANNED, FP32, FP32_UNLESS_DTYPE, LOWER, PROMOTE
 from .policy import EXPAND, Policy
 
 _Tensor = torch.Tensor
+# Dynamo's frame hook. While an op cast by the function level runs, the aten level is off
+# the dispatch stack, and Dynamo (armed by a torch.compile'd caller) would otherwise
+# compile our own casting frames; we disarm it for that span, as torch._dynamo.disable
+# does, at the cost of two C calls.
+_set_eval_frame = torch._C._dynamo.eval_frame.set_eval_frame
 _float32 = torch.float32
 _float64 = torch.float64
 
@@ -357,6 +362,7 @@ class _FunctionLevel(TorchFunctionMode):
         # The op and its casts run with the aten level off the dispatch stack: it would
         # stand aside inside an op cast here anyway (native excludes autocast inside the
         # ops it handles), and every aten op it sees costs a Python call.
+        dynamo_hook = _set_eval_frame(None)
         aten_level = _pop_aten_level(st)
         st.depth += 1
         try:
@@ -366,6 +372,7 @@ class _FunctionLevel(TorchFunctionMode):
             st.depth -= 1
             if aten_level is not None:
                 torch._C._push_on_torch_dispatch_stack(aten_level)
+            _set_eval_frame(dynamo_hook)
 
     def _expand(self, st, func, args, kwargs):
         kwargs = kwargs or {}
