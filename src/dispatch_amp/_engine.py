@@ -36,11 +36,30 @@ from .op_tables import BANNED, FP32, FP32_UNLESS_DTYPE, LOWER, PROMOTE
 from .policy import EXPAND, Policy
 
 _Tensor = torch.Tensor
-# Dynamo's frame hook. While an op cast by the function level runs, the aten level is off
-# the dispatch stack, and Dynamo (armed by a torch.compile'd caller) would otherwise
-# compile our own casting frames; we disarm it for that span, as torch._dynamo.disable
-# does, at the cost of two C calls.
-_set_eval_frame = torch._C._dynamo.eval_frame.set_eval_frame
+
+# Note: Dynamo and our frames
+# A torch.compile'd function called inside autocast runs eagerly: Dynamo skips a frame
+# while a (non-infra) dispatch mode is on the stack. But Dynamo stays armed for every
+# frame that runs below it, and two kinds of our frames run with our dispatch mode off
+# the stack: the aten level's handler (torch pops a mode while it handles an op) and an
+# op cast by the function level (we pop the aten level, see _pop_aten_level). Dynamo
+# would compile those frames, our casting logic included. We disarm its frame hook for
+# those spans (two C calls, what torch._dynamo.disable does) and mark the aten handler's
+# own code as skipped, which replaces torch's heavier default shim around
+# __torch_dispatch__.
+try:
+    from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
+    from torch._dynamo.eval_frame import skip_code as _skip_code
+except ImportError:  # pragma: no cover - depends on the torch version
+    _set_eval_frame = _skip_code = None
+
+
+def _no_dynamo_hook():
+    return None
+
+
+_disarm_dynamo = (lambda: _set_eval_frame(None)) if _set_eval_frame else _no_dynamo_hook
+_rearm_dynamo = _set_eval_frame or (lambda hook: None)
 _float32 = torch.float32
 _float64 = torch.float64
 
@@ -362,7 +381,7 @@ class _FunctionLevel(TorchFunctionMode):
         # The op and its casts run with the aten level off the dispatch stack: it would
         # stand aside inside an op cast here anyway (native excludes autocast inside the
         # ops it handles), and every aten op it sees costs a Python call.
-        dynamo_hook = _set_eval_frame(None)
+        dynamo_hook = _disarm_dynamo()
         aten_level = _pop_aten_level(st)
         st.depth += 1
         try:
@@ -372,7 +391,7 @@ class _FunctionLevel(TorchFunctionMode):
             st.depth -= 1
             if aten_level is not None:
                 torch._C._push_on_torch_dispatch_stack(aten_level)
-            _set_eval_frame(dynamo_hook)
+            _rearm_dynamo(dynamo_hook)
 
     def _expand(self, st, func, args, kwargs):
         kwargs = kwargs or {}
@@ -409,7 +428,19 @@ def _records_autograd(args, kwargs) -> bool:
 
 
 class _AtenLevel(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # See "Note: Dynamo and our frames": we keep Dynamo out ourselves, cheaper.
+        return _skip_code is None
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        dynamo_hook = _disarm_dynamo()
+        try:
+            return self._handle(func, args, kwargs)
+        finally:
+            _rearm_dynamo(dynamo_hook)
+
+    def _handle(self, func, args, kwargs):
         st = STATE
         ctx = st.primary
         if ctx is None:
@@ -428,3 +459,7 @@ class _AtenLevel(TorchDispatchMode):
             return func(*args, **kwargs) if kwargs else func(*args)
         args, kwargs = cast_arguments(kind, ctx, args, kwargs, st, func)
         return func(*args, **kwargs) if kwargs else func(*args)
+
+
+if _skip_code is not None:
+    _skip_code(_AtenLevel.__torch_dispatch__.__code__)
