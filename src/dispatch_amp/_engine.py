@@ -32,6 +32,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .composites import NOT_HANDLED
 from .op_tables import BANNED, FP32, FP32_UNLESS_DTYPE, LOWER, PROMOTE
 from .policy import EXPAND, Policy
 
@@ -376,7 +377,10 @@ class _FunctionLevel(TorchFunctionMode):
             return func(*args, **kwargs) if kwargs else func(*args)
         if kind is EXPAND:
             return self._expand(st, func, args, kwargs)
-        if (kwargs and "out" in kwargs) or _inside_native_region(st):
+        if kind.__class__ is not str:
+            return self._decompose(kind, func, args, kwargs)
+        # Python wrappers such as torch.tensordot forward out=None explicitly.
+        if (kwargs and kwargs.get("out") is not None) or _inside_native_region(st):
             return func(*args, **kwargs) if kwargs else func(*args)
         # The op and its casts run with the aten level off the dispatch stack: it would
         # stand aside inside an op cast here anyway (native excludes autocast inside the
@@ -392,6 +396,12 @@ class _FunctionLevel(TorchFunctionMode):
             if aten_level is not None:
                 torch._C._push_on_torch_dispatch_stack(aten_level)
             _rearm_dynamo(dynamo_hook)
+
+    def _decompose(self, decomposition, func, args, kwargs):
+        kwargs = kwargs or {}
+        with self:
+            out = decomposition(*args, **kwargs)
+        return func(*args, **kwargs) if out is NOT_HANDLED else out
 
     def _expand(self, st, func, args, kwargs):
         kwargs = kwargs or {}

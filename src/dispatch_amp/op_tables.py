@@ -94,12 +94,14 @@ CPU_TABLE = {
         "convolution", "_convolution",
         "linear", "matmul", "linalg_matmul", "mm", "bmm", "addmm", "addbmm", "baddbmm",
         "_addmm_activation", "linalg_vecdot",
-        # CPU autocast has no entry for these composites, but every one of them reaches
-        # mm/bmm inside C++ where native casts above autograd; casting them whole is the
-        # only place our function level can do the same.
-        "einsum", "tensordot", "bilinear", "chain_matmul", "linalg_multi_dot", "inner",
-        "mkldnn_rnn_layer", "lstm", "gru", "rnn_tanh", "rnn_relu",
-        "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
+        # CPU autocast has no entry for these composites, but each one reaches mm/bmm
+        # inside C++ where native casts above autograd and nothing else in it changes the
+        # result dtype; casting them whole is where our function level can do the same.
+        # (gru, gru_cell and lstm_cell are not here: natively their gates mix the bf16
+        # matmuls with the fp32 state and come out fp32; bilinear reaches _trilinear,
+        # which native leaves alone.)
+        "einsum", "tensordot", "chain_matmul", "linalg_multi_dot", "inner",
+        "mkldnn_rnn_layer", "lstm", "rnn_tanh", "rnn_relu", "rnn_tanh_cell", "rnn_relu_cell",
         "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
         "_native_multi_head_attention",
         "prelu",

@@ -23,6 +23,7 @@ import torch
 from torch._ops import OpOverload, OpOverloadPacket
 
 from . import op_tables
+from .composites import DECOMPOSITIONS
 from .op_tables import BANNED, FP32, FP32_UNLESS_DTYPE, KINDS, LOWER, PROMOTE
 
 __all__ = ["Policy", "LOWER", "FP32", "FP32_UNLESS_DTYPE", "PROMOTE", "BANNED"]
@@ -199,8 +200,12 @@ class Policy:
         return cls(table, name=name)
 
     # -- engine lookups (memoized; the hot path is one dict.get) ------------------------
-    def function_kind(self, func) -> str | None:
-        """Cast kind for a callable seen by the function level (memoized per callable)."""
+    def function_kind(self, func):
+        """Cast kind for a callable seen by the function level (memoized per callable).
+
+        Besides a kind or None, this can be ``EXPAND`` (run a torch Python composite with
+        the function level active) or a decomposition from ``composites.py``.
+        """
         try:
             return self._function_kinds[func]
         except KeyError:
@@ -217,9 +222,15 @@ class Policy:
             return self._rules.get(func._qualified_op_name)
         name = getattr(func, "__name__", None)
         if isinstance(name, str):
-            kind = self._rules.get("aten::" + _FUNCTION_ALIASES.get(name, name))
+            name = _FUNCTION_ALIASES.get(name, name)
+            kind = self._rules.get("aten::" + name)
             if kind is not None:
                 return kind
+            # An op in no table whose inside native casts: run our Python version of it
+            # (a callable in place of a kind, see composites.py).
+            decomposition = DECOMPOSITIONS.get(name)
+            if decomposition is not None:
+                return decomposition
         if isinstance(func, types.FunctionType) and (func.__module__ or "").startswith("torch"):
             return EXPAND
         return None

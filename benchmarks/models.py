@@ -1,0 +1,134 @@
+"""Small reference models shared by benchmarks/bench_autocast.py and tests/test_models.py.
+
+Plain ``torch.nn`` code, nothing from dispatch_amp: the same definitions run under native
+``torch.autocast`` and under ``dispatch_amp.autocast`` so the two can be compared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab: int = 128
+    d_model: int = 64
+    n_heads: int = 4
+    n_blocks: int = 2
+    max_len: int = 64
+    need_weights: bool = False
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: LayerNorm, MultiheadAttention, LayerNorm, GELU MLP."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, cfg.n_heads, batch_first=True)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.proj = nn.Linear(4 * d, d)
+        self.need_weights = cfg.need_weights
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        a, _ = self.attn(h, h, h, attn_mask=mask, need_weights=self.need_weights)
+        x = x + a
+        return x + self.proj(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig = GPTConfig()):
+        super().__init__()
+        self.cfg = cfg
+        self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.pos = nn.Embedding(cfg.max_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_blocks))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        pos = torch.arange(t, device=idx.device)
+        x = self.tok(idx) + self.pos(pos)
+        mask = torch.triu(torch.ones(t, t, dtype=torch.bool, device=idx.device), diagonal=1)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(self.ln_f(x))
+
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self(idx)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def gpt_batch(cfg: GPTConfig, batch: int, seq: int, generator=None):
+    idx = torch.randint(0, cfg.vocab, (batch, seq + 1), generator=generator)
+    return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+
+
+class CNN(nn.Module):
+    """Conv2d (with bias) + BatchNorm2d + ReLU + MaxPool2d, twice, then a Linear head."""
+
+    def __init__(self, channels: int = 3, classes: int = 10, width: int = 16, size: int = 32):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(channels, width, 3, padding=1, bias=True),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(width, 2 * width, 3, padding=1, bias=True),
+            nn.BatchNorm2d(2 * width),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
+        self.head = nn.Linear(2 * width * (size // 4) ** 2, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).flatten(1))
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self(x), y)
+
+
+class RNNTagger(nn.Module):
+    """Embedding + nn.LSTM (or nn.GRU, nn.RNN) + Linear, a per-token tagger."""
+
+    def __init__(self, vocab: int = 100, emb: int = 32, hidden: int = 48, tags: int = 12,
+                 cell: str = "lstm", layers: int = 1):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, emb)
+        rnn = {"lstm": nn.LSTM, "gru": nn.GRU, "rnn": nn.RNN}[cell]
+        self.rnn = rnn(emb, hidden, num_layers=layers, batch_first=True)
+        self.out = nn.Linear(hidden, tags)
+        self.vocab, self.tags = vocab, tags
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h, _ = self.rnn(self.emb(idx))
+        return self.out(h)
+
+    def loss(self, idx: torch.Tensor, tags: torch.Tensor) -> torch.Tensor:
+        logits = self(idx)
+        return F.cross_entropy(logits.reshape(-1, self.tags), tags.reshape(-1))
+
+
+class EncoderClassifier(nn.Module):
+    """nn.TransformerEncoderLayer (batch_first) over a Linear input projection."""
+
+    def __init__(self, d_in: int = 24, d_model: int = 32, heads: int = 4, classes: int = 5,
+                 norm_first: bool = False):
+        super().__init__()
+        self.inp = nn.Linear(d_in, d_model)
+        self.layer = nn.TransformerEncoderLayer(
+            d_model, heads, dim_feedforward=64, dropout=0.0, batch_first=True,
+            norm_first=norm_first,
+        )
+        self.head = nn.Linear(d_model, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layer(self.inp(x)).mean(1))

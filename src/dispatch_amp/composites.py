@@ -1,0 +1,106 @@
+"""Python decompositions of C++ composite ops whose insides native autocast casts.
+
+Some composite ops are not in native's tables but call ops that are (``F.linear`` inside
+``lstm_cell``) from C++, where native autocast sees them above autograd and our function
+level cannot. Casting such an op whole gives the wrong dtype (a GRU's gates mix bf16
+matmuls with the fp32 hidden state and come out fp32 natively), and leaving it alone
+runs its matmuls in fp32 or fails on mixed inputs. So the function level runs these
+Python versions instead, with itself active: the ``F.linear`` calls inside are cast as
+native casts them and everything else follows ordinary type promotion.
+
+Each decomposition follows its C++ original (aten/src/ATen/native/RNN.cpp, CPU path)
+op for op, in-place ops included, so values and autograd graphs are the same. It is used
+only when the op is in no table of the active policy (the CUDA table casts these ops
+whole, as cuDNN does) and returns ``NOT_HANDLED`` for call forms it does not cover,
+which then run as given.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["DECOMPOSITIONS", "NOT_HANDLED"]
+
+NOT_HANDLED = object()
+
+
+def lstm_cell(input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
+    h, c = hx
+    gates = F.linear(h, w_hh, b_hh).add_(F.linear(input, w_ih, b_ih))
+    return _lstm_gates(gates, c)
+
+
+def _lstm_gates(gates, c):
+    ingate, forgetgate, cellgate, outgate = gates.unsafe_chunk(4, 1)
+    ingate = ingate.sigmoid_()
+    forgetgate = forgetgate.sigmoid_()
+    cellgate = cellgate.tanh_()
+    outgate = outgate.sigmoid_()
+    cy = (forgetgate * c).add_(ingate * cellgate)
+    hy = outgate * cy.tanh()
+    return hy, cy
+
+
+def gru_cell(input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
+    return _gru_step(F.linear(input, w_ih, b_ih), hx, w_hh, b_hh)
+
+
+def _gru_step(input_gates, hidden, w_hh, b_hh):
+    i_r, i_z, i_n = input_gates.unsafe_chunk(3, 1)
+    h_r, h_z, h_n = F.linear(hidden, w_hh, b_hh).unsafe_chunk(3, 1)
+    reset_gate = h_r.add_(i_r).sigmoid_()
+    input_gate = h_z.add_(i_z).sigmoid_()
+    new_gate = i_n.add(h_n.mul_(reset_gate)).tanh_()
+    return (hidden - new_gate).mul_(input_gate).add_(new_gate)
+
+
+def _gru_direction(inputs, hidden, w_ih, w_hh, b_ih, b_hh, reverse):
+    # The CPU path projects the whole sequence at once, then steps through it.
+    steps = F.linear(inputs, w_ih, b_ih).unbind(0)
+    if reverse:
+        steps = steps[::-1]
+    outputs = []
+    for step in steps:
+        hidden = _gru_step(step, hidden, w_hh, b_hh)
+        outputs.append(hidden)
+    if reverse:
+        outputs.reverse()
+    return torch.stack(outputs, 0), hidden
+
+
+def gru(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first=None):
+    if not isinstance(hx, torch.Tensor) or batch_first is None or input.dim() != 3:
+        return NOT_HANDLED  # the packed-sequence form: gru(data, batch_sizes, hx, ...)
+    if batch_first:
+        input = input.transpose(0, 1)
+    directions = 2 if bidirectional else 1
+    per_direction = 4 if has_biases else 2
+    hiddens = hx.unbind(0)
+    finals = []
+    layer_input = input
+    for layer in range(num_layers):
+        outputs = []
+        for direction in range(directions):
+            index = layer * directions + direction
+            weights = params[index * per_direction:(index + 1) * per_direction]
+            w_ih, w_hh = weights[0], weights[1]
+            b_ih, b_hh = (weights[2], weights[3]) if has_biases else (None, None)
+            out, final = _gru_direction(
+                layer_input, hiddens[index], w_ih, w_hh, b_ih, b_hh, reverse=direction == 1
+            )
+            outputs.append(out)
+            finals.append(final)
+        layer_input = outputs[0] if directions == 1 else torch.cat(outputs, outputs[0].dim() - 1)
+        if dropout != 0 and train and layer < num_layers - 1:
+            layer_input = torch.dropout(layer_input, dropout, train)
+    output = layer_input.transpose(0, 1) if batch_first else layer_input
+    return output, torch.stack(finals, 0)
+
+
+# aten op name -> decomposition
+DECOMPOSITIONS = {
+    "lstm_cell": lstm_cell,
+    "gru_cell": gru_cell,
+    "gru": gru,
+}
