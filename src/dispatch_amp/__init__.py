@@ -15,3 +15,4 @@ from .autocast import autocast, get_autocast_dtype, is_autocast_enabled  # noqa:
 from .policy import Policy  # noqa: E402
 from .checkpoint import checkpoint  # noqa: E402
 from .custom_function import custom_bwd, custom_fwd  # noqa: E402
+from .grad_scaler import GradScaler, OptState  # noqa: E402

@@ -1,0 +1,714 @@
+"""GradScaler: dynamic loss scaling, a drop-in for ``torch.amp.GradScaler``.
+
+Per optimizer, a small state machine runs between two ``update()`` calls::
+
+    READY --unscale_()--> UNSCALED --step()--> STEPPED --update()--> READY
+    READY --step()------> STEPPED   (step() unscales first)
+
+Each optimizer's gradients are unscaled and checked by one fused call per device
+(:func:`dispatch_amp.kernels.unscale_check_`), and each optimizer skips its step on its own
+overflow, exactly as in torch. What differs is when the host looks at the flags:
+
+Note: host syncs
+----------------
+``step()`` must know on the host whether the flag is set (a skipped ``optimizer.step()``
+cannot be decided on the device for an ordinary optimizer). Torch reads each optimizer's
+flag with its own ``.item()``. Here ``step()`` reads, in ONE sync, the flags of every
+optimizer already unscaled and not yet read (packed into one integer on the device), and
+keeps the answers; later ``step()`` calls in the same iteration then cost no sync. So::
+
+    scaler.unscale_(opt1, opt2)   # or two unscale_() calls, e.g. before clipping
+    scaler.step(opt1)             # the one sync of this iteration
+    scaler.step(opt2)             # no sync
+
+An optimizer that is still READY when another steps is NOT unscaled early: its gradients
+may not be final yet (a later backward may add to them), and an early unscale would make
+a later explicit ``unscale_()`` raise. Optimizers with ``_step_supports_amp_scaling``
+(torch's fused Adam/AdamW/SGD) get ``grad_scale`` and ``found_inf`` and never sync;
+``update()`` never syncs; ``get_scale()``, ``state_dict()`` and :attr:`skipped_steps` read
+the device on demand.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+import warnings
+from collections import abc
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+
+from .kernels import check_finite_, unscale_check_
+from .kernels.scale_update import ScaleState, update_scale_
+
+__all__ = ["GradScaler", "OptState"]
+
+
+class OptState(Enum):
+    """Where one optimizer is in the current iteration (reset to READY by ``update()``).
+
+    Example::
+
+        >>> OptState.READY.name
+        'READY'
+    """
+
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+@dataclass
+class _OptRecord:
+    stage: OptState = OptState.READY
+    # device -> fp32 0-d flag, nonzero when this optimizer's gradients overflowed
+    found_inf_per_device: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    # The flag as read on the host, once read (None: not read yet).
+    found_inf_host: bool | None = None
+
+
+# How many flags one packed read carries: bits of an int64, less one for the floor flag.
+_FLAGS_PER_READ = 62
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _check_config(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale) -> None:
+    if not _is_real(growth_factor) or not (math.isfinite(growth_factor) and growth_factor > 1.0):
+        raise ValueError(f"growth_factor must be a finite float > 1.0, got {growth_factor!r}.")
+    if not _is_real(backoff_factor) or not (0.0 < backoff_factor < 1.0):
+        raise ValueError(f"backoff_factor must be a float in (0, 1), got {backoff_factor!r}.")
+    if not _is_int(growth_interval) or growth_interval < 1:
+        raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}.")
+    if not _is_int(hysteresis) or hysteresis < 1:
+        raise ValueError(f"hysteresis must be an int >= 1, got {hysteresis!r}.")
+    for name, v in (("min_scale", min_scale), ("max_scale", max_scale)):
+        if v is not None and (not _is_real(v) or not (math.isfinite(v) and v > 0)):
+            raise ValueError(f"{name} must be a finite float > 0 or None, got {v!r}.")
+    if min_scale is not None and max_scale is not None and min_scale > max_scale:
+        raise ValueError(f"min_scale ({min_scale}) must not exceed max_scale ({max_scale}).")
+
+
+class GradScaler:
+    """Dynamic loss scaling; same arguments, defaults and methods as ``torch.amp.GradScaler``.
+
+    ``scale(loss)`` multiplies the loss by the scale; ``step(opt)`` unscales the gradients,
+    checks them for inf/nan and skips ``opt.step()`` if any; ``update()`` halves the scale
+    after an overflowing step and doubles it after ``growth_interval`` clean steps in a
+    row. Opt-in extras (the defaults keep torch's behaviour):
+
+    * ``hysteresis=N``: back off only after N consecutive overflowing steps (Megatron-LM /
+      DeepSpeed style); one clean step resets the count.
+    * ``min_scale`` / ``max_scale``: bounds for the scale. A backoff that would go below
+      ``min_scale`` stops at it and a warning is raised when the host next reads the flags.
+    * :attr:`skipped_steps`: running count of steps skipped for overflow, kept on the device.
+    * ``backend``: kernel backend for unscale and update (``"auto"``, ``"triton"``, ``"torch"``).
+
+    See "Note: host syncs" in this module for when the host waits for the device.
+
+    Example::
+
+        >>> model = torch.nn.Linear(4, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> scaler = GradScaler("cpu", init_scale=1024.0)
+        >>> loss = model(torch.randn(8, 4)).pow(2).mean()
+        >>> scaler.scale(loss).backward()
+        >>> _ = scaler.step(opt)
+        >>> scaler.update()
+        >>> scaler.get_scale(), scaler.skipped_steps
+        (1024.0, 0)
+    """
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        hysteresis: int = 1,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
+        backend: str = "auto",
+    ) -> None:
+        self._device = device
+        self._enabled = enabled
+        if device == "cuda" and enabled and not torch.cuda.is_available():
+            warnings.warn("GradScaler is enabled for 'cuda', but CUDA is not available. Disabling.", stacklevel=2)
+            self._enabled = False
+        if backend not in ("auto", "triton", "torch"):
+            raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}.")
+        self._backend = backend
+        if not self._enabled:
+            return
+        _check_config(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale)
+        if not _is_real(init_scale) or not (math.isfinite(init_scale) and init_scale > 0):
+            raise ValueError(f"init_scale must be a finite float > 0, got {init_scale!r}.")
+        if (min_scale is not None and init_scale < min_scale) or (max_scale is not None and init_scale > max_scale):
+            raise ValueError(f"init_scale {init_scale} lies outside [min_scale, max_scale] = [{min_scale}, {max_scale}].")
+        self._init_scale = float(init_scale)
+        self._growth_factor = float(growth_factor)
+        self._backoff_factor = float(backoff_factor)
+        self._growth_interval = int(growth_interval)
+        self._hysteresis = int(hysteresis)
+        self._min_scale = None if min_scale is None else float(min_scale)
+        self._max_scale = None if max_scale is None else float(max_scale)
+        self._init_growth_tracker = 0
+        self._init_hysteresis_tracker = self._hysteresis
+        self._init_skipped_steps = 0
+        self._state: ScaleState | None = None  # created on the loss's device by scale()
+        self._floor_hits_seen = 0
+        self._records: dict[int, _OptRecord] = {}
+
+    # ----------------------------------------------------------------------------------
+    # internals
+    # ----------------------------------------------------------------------------------
+
+    def _record(self, optimizer) -> _OptRecord:
+        rec = self._records.get(id(optimizer))
+        if rec is None:
+            rec = self._records[id(optimizer)] = _OptRecord()
+        return rec
+
+    def _require_state(self, funcname: str) -> ScaleState:
+        if self._state is None:
+            raise RuntimeError(
+                f"{funcname}() was called before scale(): the scale does not exist yet. "
+                "Call scaler.scale(loss).backward() earlier in the iteration."
+            )
+        return self._state
+
+    def _lazy_init(self, device: torch.device) -> ScaleState:
+        if self._state is None:
+            self._state = ScaleState.create(
+                device,
+                self._init_scale,
+                growth_tracker=self._init_growth_tracker,
+                hysteresis=self._hysteresis,
+                hysteresis_tracker=self._init_hysteresis_tracker,
+                skipped_steps=self._init_skipped_steps,
+            )
+        return self._state
+
+    @staticmethod
+    def _check_optimizer(optimizer, funcname: str) -> None:
+        if not hasattr(optimizer, "param_groups") or not hasattr(optimizer, "step"):
+            raise TypeError(f"{funcname}() expects a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+
+    def _unscale_grads_(self, optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool, check_only: bool = False) -> dict[torch.device, torch.Tensor]:
+        """Unscale (or only check) one optimizer's gradients; one fused call per device."""
+        per_device: dict[torch.device, list[torch.Tensor]] = {}
+        if not allow_fp16:
+            self._refuse_fp16_grads(optimizer)
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    grad = param.grad
+                    if grad is None:
+                        continue
+                    if grad.is_sparse:
+                        # Duplicate fp16 indices could overflow only once summed; coalesce first
+                        # so the check sees the values the optimizer will use (as torch does).
+                        if grad.dtype is torch.float16:
+                            param.grad = grad = grad.coalesce()
+                        grad = grad._values()
+                    per_device.setdefault(grad.device, []).append(grad)
+            flags: dict[torch.device, torch.Tensor] = {}
+            for device, grads in per_device.items():
+                flag = found_inf if device == found_inf.device else torch.zeros((), dtype=torch.float32, device=device)
+                if check_only:
+                    check_finite_(grads, flag, backend=self._backend)
+                else:
+                    inv = inv_scale if device == inv_scale.device else inv_scale.to(device, non_blocking=True)
+                    unscale_check_(grads, inv, flag, backend=self._backend)
+                flags[device] = flag
+        return flags
+
+    @staticmethod
+    def _refuse_fp16_grads(optimizer) -> None:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is not None and param.grad.dtype == torch.float16:
+                    raise ValueError(
+                        "Attempting to unscale FP16 gradients: the parameters themselves are fp16. "
+                        "Keep fp32 master parameters (autocast casts inside the forward) for GradScaler."
+                    )
+
+    def _read_pending_flags(self) -> None:
+        """One host sync: read the flags of every unscaled, unread optimizer (see "Note: host syncs")."""
+        state = self._require_state("step")
+        pending = [rec for rec in self._records.values() if rec.stage is OptState.UNSCALED and rec.found_inf_host is None]
+        for start in range(0, len(pending), _FLAGS_PER_READ):
+            chunk = pending[start : start + _FLAGS_PER_READ]
+            flags = []
+            for rec in chunk:
+                per_dev = [f.to(state.scale.device, non_blocking=True) for f in rec.found_inf_per_device.values()]
+                flags.append(torch.stack(per_dev).sum() if per_dev else torch.zeros((), device=state.scale.device))
+            # Bit k of the packed word is optimizer k's flag; the top bit says the scale hit
+            # min_scale since we last looked, so that warning rides on the same sync.
+            bits = (torch.stack(flags) != 0).to(torch.int64)
+            weights = torch.pow(2, torch.arange(len(chunk), dtype=torch.int64, device=bits.device))
+            word = (bits * weights).sum()
+            word = word + (state.floor_hits > self._floor_hits_seen).to(torch.int64) * (1 << _FLAGS_PER_READ)
+            value = int(word.item())
+            for k, rec in enumerate(chunk):
+                rec.found_inf_host = bool((value >> k) & 1)
+            if value >> _FLAGS_PER_READ:
+                self._warn_floor()
+
+    def _warn_floor(self) -> None:
+        state = self._state
+        hits = int(state.floor_hits.item()) if state is not None else 0
+        if hits > self._floor_hits_seen:
+            self._floor_hits_seen = hits
+            warnings.warn(
+                f"GradScaler: the loss scale hit min_scale={self._min_scale} ({hits} time(s) so far); "
+                "gradients keep overflowing at the smallest allowed scale. Check the model for "
+                "inf/nan in the forward pass, or lower min_scale.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    # ----------------------------------------------------------------------------------
+    # public API
+    # ----------------------------------------------------------------------------------
+
+    def scale(self, outputs):
+        """Multiply a tensor, or nested lists/tuples of tensors, by the current scale.
+
+        Creates the scale on the first tensor's device the first time. Returns ``outputs``
+        unchanged when the scaler is disabled.
+
+        Example::
+
+            >>> scaler = GradScaler("cpu", init_scale=8.0)
+            >>> scaler.scale([torch.ones(2), (torch.ones(1),)])
+            [tensor([8., 8.]), (tensor([8.]),)]
+        """
+        if not self._enabled:
+            return outputs
+        per_device: dict[torch.device, torch.Tensor] = {}
+
+        def apply(val):
+            if isinstance(val, torch.Tensor):
+                state = self._lazy_init(val.device)
+                scale = per_device.get(val.device)
+                if scale is None:
+                    scale = per_device[val.device] = state.scale.to(val.device, non_blocking=True)
+                return val * scale
+            if isinstance(val, abc.Iterable) and not isinstance(val, (str, bytes)):
+                mapped = map(apply, val)
+                return type(val)(mapped) if isinstance(val, (list, tuple)) else mapped
+            raise TypeError(f"scale() expects a Tensor or an iterable of Tensors, got {type(val).__name__}.")
+
+        return apply(outputs)
+
+    def unscale_(self, optimizer, *optimizers) -> None:
+        """Divide the optimizer's gradients by the scale, in place, and record inf/nan.
+
+        Optional: ``step()`` unscales on its own. Call it to work on true gradients before
+        ``step()`` (e.g. ``clip_grad_norm_``). At most once per optimizer per iteration.
+        Several optimizers may be passed at once; unscaling every optimizer before the
+        first ``step()`` lets one host sync serve the whole iteration. Never synchronizes.
+
+        Example::
+
+            >>> model = torch.nn.Linear(2, 1); opt = torch.optim.SGD(model.parameters(), lr=1.0)
+            >>> scaler = GradScaler("cpu", init_scale=4.0)
+            >>> scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+            >>> scaler.unscale_(opt)
+            >>> model.bias.grad.item()
+            1.0
+        """
+        if not self._enabled:
+            return
+        opts = (optimizer, *optimizers)
+        state = self._require_state("unscale_")
+        for opt in opts:
+            self._check_optimizer(opt, "unscale_")
+            stage = self._record(opt).stage
+            if stage is OptState.UNSCALED:
+                raise RuntimeError("unscale_() has already been called on this optimizer since the last update(). Call it at most once per iteration.")
+            if stage is OptState.STEPPED:
+                raise RuntimeError("unscale_() is being called after step() for this optimizer (state STEPPED); call update() to start the next iteration first.")
+        if len({id(o) for o in opts}) != len(opts):
+            raise RuntimeError("unscale_() got the same optimizer twice; pass each optimizer once.")
+        # Validate every optimizer before unscaling any, so a refused call changes nothing.
+        for opt in opts:
+            self._refuse_fp16_grads(opt)
+        # Computed in fp64, then rounded once to fp32: a float reciprocal of a large scale
+        # could round differently from torch's and desynchronize the two scalers.
+        inv_scale = state.scale.double().reciprocal().float()
+        for opt in opts:
+            found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
+            rec = self._record(opt)
+            rec.found_inf_per_device = self._unscale_grads_(opt, inv_scale, found_inf, allow_fp16=False)
+            rec.found_inf_host = None
+            rec.stage = OptState.UNSCALED
+
+    def step(self, optimizer, *args, **kwargs):
+        """Unscale if needed, then run ``optimizer.step(*args, **kwargs)`` unless gradients overflowed.
+
+        Returns what ``optimizer.step`` returned, or None when the step was skipped. Closures
+        are not supported. For optimizers with ``_step_supports_amp_scaling`` the optimizer
+        receives ``grad_scale`` / ``found_inf`` and skips on the device (no sync).
+
+        Example::
+
+            >>> model = torch.nn.Linear(2, 1); opt = torch.optim.SGD(model.parameters(), lr=1.0)
+            >>> scaler = GradScaler("cpu")
+            >>> scaler.scale(model(torch.full((1, 2), float("inf"))).sum()).backward()
+            >>> scaler.step(opt) is None   # skipped: the gradients hold inf/nan
+            True
+        """
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not supported when GradScaler is enabled: compute the loss, scale(loss).backward(), then step().")
+        self._check_optimizer(optimizer, "step")
+        state = self._require_state("step")
+        rec = self._record(optimizer)
+        if rec.stage is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update() for this optimizer (state STEPPED); call update() first.")
+
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            return self._fused_step(optimizer, rec, state, args, kwargs)
+
+        if rec.stage is OptState.READY:
+            self.unscale_(optimizer)
+        if not rec.found_inf_per_device:
+            raise RuntimeError("No inf checks were recorded for this optimizer: none of its parameters has a gradient.")
+        if rec.found_inf_host is None:
+            self._read_pending_flags()
+        retval = None if rec.found_inf_host else optimizer.step(*args, **kwargs)
+        rec.stage = OptState.STEPPED
+        return retval
+
+    def _fused_step(self, optimizer, rec: _OptRecord, state: ScaleState, args, kwargs):
+        if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+            warnings.warn(
+                "GradScaler passes itself as `grad_scaler` only for backward compatibility; optimizers "
+                "should read `grad_scale` and `found_inf` attributes instead.",
+                FutureWarning,
+                stacklevel=3,
+            )
+            retval = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
+            rec.stage = OptState.STEPPED
+            return retval
+        if rec.stage is OptState.READY:
+            found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
+            rec.found_inf_per_device = self._unscale_grads_(optimizer, state.scale, found_inf, allow_fp16=True, check_only=True)
+        flags = [f.to(state.scale.device, non_blocking=True) for f in rec.found_inf_per_device.values()]
+        found_inf = torch.stack(flags).sum() if flags else torch.zeros((), dtype=torch.float32, device=state.scale.device)
+        # After an explicit unscale_() the gradients are true gradients: the optimizer must
+        # not divide again, so it keeps whatever grad_scale it had (normally none).
+        if rec.stage is OptState.UNSCALED:
+            optimizer.grad_scale = getattr(optimizer, "grad_scale", None)
+        else:
+            optimizer.grad_scale = state.scale * getattr(optimizer, "grad_scale", 1)
+        optimizer.found_inf = found_inf
+        try:
+            retval = optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale
+            del optimizer.found_inf
+        rec.stage = OptState.STEPPED
+        return retval
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """End the iteration: back off after an overflow, grow after ``growth_interval`` clean steps.
+
+        ``new_scale`` (a float or a 1-element tensor) sets the scale instead. Never syncs.
+
+        Example::
+
+            >>> scaler = GradScaler("cpu", init_scale=4.0)
+            >>> _ = scaler.scale(torch.ones(()))
+            >>> scaler.update(new_scale=16.0)
+            >>> scaler.get_scale()
+            16.0
+        """
+        if not self._enabled:
+            return
+        state = self._require_state("update")
+        if new_scale is not None:
+            if isinstance(new_scale, torch.Tensor):
+                reason = "new_scale must be a float or a 1-element tensor on the scaler's device type with requires_grad=False"
+                if new_scale.device.type != state.scale.device.type:
+                    raise ValueError(f"{reason}; got a tensor on {new_scale.device}.")
+                if new_scale.numel() != 1:
+                    raise ValueError(f"{reason}; got {new_scale.numel()} elements.")
+                if new_scale.requires_grad:
+                    raise ValueError(f"{reason}; got one that requires grad.")
+                if not new_scale.is_floating_point():
+                    raise TypeError(f"{reason}; got dtype {new_scale.dtype}.")
+            elif _is_real(new_scale):
+                if not (math.isfinite(new_scale) and new_scale > 0):
+                    raise ValueError(f"new_scale must be finite and > 0, got {new_scale!r}.")
+            else:
+                raise TypeError(f"new_scale must be a float or a 1-element tensor, got {type(new_scale).__name__}.")
+        found_infs = [
+            f.to(state.scale.device, non_blocking=True)
+            for rec in self._records.values()
+            for f in rec.found_inf_per_device.values()
+        ]
+        if new_scale is None and not found_infs:
+            raise RuntimeError(
+                "update() found no inf checks since the last update(): call scaler.step(optimizer) "
+                "(or unscale_) for at least one optimizer with gradients first."
+            )
+        if new_scale is not None:
+            if isinstance(new_scale, torch.Tensor):
+                state.scale.copy_(new_scale.reshape(()))
+            else:
+                state.scale.fill_(float(new_scale))
+            if found_infs:  # the step was still skipped; keep the count honest
+                state.skipped_steps.add_(torch.stack(found_infs).sum() != 0)
+        else:
+            combined = torch.stack(found_infs).sum() if len(found_infs) > 1 else found_infs[0]
+            update_scale_(
+                state,
+                combined,
+                self._growth_factor,
+                self._backoff_factor,
+                self._growth_interval,
+                hysteresis=self._hysteresis,
+                min_scale=self._min_scale,
+                max_scale=self._max_scale,
+                backend=self._backend,
+            )
+        self._records = {}
+
+    # ----------------------------------------------------------------------------------
+    # accessors
+    # ----------------------------------------------------------------------------------
+
+    def _get_scale_async(self) -> torch.Tensor | None:
+        return None if self._state is None else self._state.scale
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (1.0 when disabled). Syncs with the device.
+
+        Example::
+
+            >>> GradScaler("cpu", init_scale=32.0).get_scale()
+            32.0
+        """
+        if not self._enabled:
+            return 1.0
+        if self._state is None:
+            return self._init_scale
+        if self._min_scale is not None:
+            self._warn_floor()
+        return float(self._state.scale.item())
+
+    def get_growth_factor(self) -> float:
+        """The growth factor. Example: ``GradScaler("cpu").get_growth_factor() == 2.0``."""
+        return self._growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the growth factor (must be > 1). Example: ``scaler.set_growth_factor(4.0)``."""
+        _check_config(new_factor, self._backoff_factor, self._growth_interval, self._hysteresis, None, None)
+        self._growth_factor = float(new_factor)
+
+    def get_backoff_factor(self) -> float:
+        """The backoff factor. Example: ``GradScaler("cpu").get_backoff_factor() == 0.5``."""
+        return self._backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the backoff factor (in (0, 1)). Example: ``scaler.set_backoff_factor(0.25)``."""
+        _check_config(self._growth_factor, new_factor, self._growth_interval, self._hysteresis, None, None)
+        self._backoff_factor = float(new_factor)
+
+    def get_growth_interval(self) -> int:
+        """The growth interval. Example: ``GradScaler("cpu").get_growth_interval() == 2000``."""
+        return self._growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval (int >= 1). Example: ``scaler.set_growth_interval(100)``."""
+        _check_config(self._growth_factor, self._backoff_factor, new_interval, self._hysteresis, None, None)
+        self._growth_interval = int(new_interval)
+
+    def _get_growth_tracker(self) -> int:
+        if not self._enabled:
+            return 0
+        return self._init_growth_tracker if self._state is None else int(self._state.growth_tracker.item())
+
+    def is_enabled(self) -> bool:
+        """Whether scaling is on. Example: ``GradScaler("cpu", enabled=False).is_enabled() is False``."""
+        return self._enabled
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for inf/nan gradients so far (counted on the device; reading it syncs).
+
+        Example::
+
+            >>> GradScaler("cpu").skipped_steps
+            0
+        """
+        if not self._enabled:
+            return 0
+        if self._state is None:
+            return self._init_skipped_steps
+        return int(self._state.skipped_steps.item())
+
+    @property
+    def hysteresis(self) -> int:
+        """Consecutive overflowing steps tolerated before a backoff (1: torch's behaviour)."""
+        return self._hysteresis if self._enabled else 1
+
+    # ----------------------------------------------------------------------------------
+    # checkpointing
+    # ----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state; loads into ``torch.amp.GradScaler`` too (it ignores our extra keys).
+
+        Torch's keys: ``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
+        ``_growth_tracker``. Ours in addition: ``hysteresis``, ``min_scale``, ``max_scale``,
+        ``_hysteresis_tracker``, ``_skipped_steps``. Empty when disabled. Call it after
+        ``update()``. One sync.
+
+        Example::
+
+            >>> sorted(GradScaler("cpu").state_dict())[:3]
+            ['_growth_tracker', '_hysteresis_tracker', '_skipped_steps']
+        """
+        if not self._enabled:
+            return {}
+        if self._state is None:
+            scale, tracker, hyst, skipped = self._init_scale, self._init_growth_tracker, self._init_hysteresis_tracker, self._init_skipped_steps
+        else:
+            st = self._state
+            # One read for all four values (each fits a float64 exactly).
+            values = torch.stack([st.scale.double(), st.growth_tracker.double(), st.hysteresis_tracker.double(), st.skipped_steps.double()]).tolist()
+            scale, tracker, hyst, skipped = values[0], int(values[1]), int(values[2]), int(values[3])
+        return {
+            "scale": scale,
+            "growth_factor": self._growth_factor,
+            "backoff_factor": self._backoff_factor,
+            "growth_interval": self._growth_interval,
+            "_growth_tracker": tracker,
+            "hysteresis": self._hysteresis,
+            "min_scale": self._min_scale,
+            "max_scale": self._max_scale,
+            "_hysteresis_tracker": hyst,
+            "_skipped_steps": skipped,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state from ``state_dict()`` (ours or ``torch.amp.GradScaler``'s).
+
+        Everything is validated before anything changes: a missing key, a wrong type or an
+        impossible value (scale <= 0 or not finite, growth_factor <= 1, ...) raises
+        ``ValueError``/``TypeError`` naming the key, and the scaler keeps its state. Keys of
+        ours that torch's dict lacks keep this scaler's configuration (hysteresis, bounds)
+        and start their trackers fresh. A no-op when disabled.
+
+        Example::
+
+            >>> a = GradScaler("cpu", init_scale=8.0); b = GradScaler("cpu")
+            >>> b.load_state_dict(a.state_dict()); b.get_scale()
+            8.0
+        """
+        if not self._enabled:
+            return
+        if not isinstance(state_dict, abc.Mapping):
+            raise TypeError(f"load_state_dict() expects a dict, got {type(state_dict).__name__}.")
+        if len(state_dict) == 0:
+            raise ValueError("The state dict is empty, possibly because it was saved from a disabled GradScaler.")
+        for key in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"):
+            if key not in state_dict:
+                raise ValueError(f"state_dict is missing the key {key!r}.")
+
+        def real(key):
+            v = state_dict[key]
+            if not _is_real(v):
+                raise TypeError(f"state_dict[{key!r}] must be a number, got {type(v).__name__}.")
+            return float(v)
+
+        def integer(key, default, low):
+            v = state_dict.get(key, default)
+            if not _is_int(v):
+                raise TypeError(f"state_dict[{key!r}] must be an int, got {type(v).__name__}.")
+            if v < low:
+                raise ValueError(f"state_dict[{key!r}] must be >= {low}, got {v}.")
+            return int(v)
+
+        def optional_real(key, default):
+            v = state_dict.get(key, default)
+            if v is not None and not _is_real(v):
+                raise TypeError(f"state_dict[{key!r}] must be a number or None, got {type(v).__name__}.")
+            return None if v is None else float(v)
+
+        scale = real("scale")
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"state_dict['scale'] must be finite and > 0, got {scale}.")
+        growth_factor, backoff_factor = real("growth_factor"), real("backoff_factor")
+        growth_interval = integer("growth_interval", None, 1)
+        tracker = integer("_growth_tracker", None, 0)
+        hysteresis = integer("hysteresis", self._hysteresis, 1)
+        min_scale = optional_real("min_scale", self._min_scale)
+        max_scale = optional_real("max_scale", self._max_scale)
+        try:
+            _check_config(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale)
+        except ValueError as e:
+            raise ValueError(f"state_dict: {e}") from None
+        hyst_tracker = integer("_hysteresis_tracker", hysteresis, 0)
+        if hyst_tracker > hysteresis:
+            raise ValueError(f"state_dict['_hysteresis_tracker'] ({hyst_tracker}) exceeds hysteresis ({hysteresis}).")
+        skipped = integer("_skipped_steps", 0, 0)
+        if tracker > 2**31 - 1:
+            raise ValueError(f"state_dict['_growth_tracker'] ({tracker}) does not fit an int32.")
+
+        # Validated: apply.
+        self._init_scale, self._init_growth_tracker = scale, tracker
+        self._growth_factor, self._backoff_factor, self._growth_interval = growth_factor, backoff_factor, growth_interval
+        self._hysteresis, self._min_scale, self._max_scale = hysteresis, min_scale, max_scale
+        self._init_hysteresis_tracker, self._init_skipped_steps = hyst_tracker, skipped
+        if self._state is not None:
+            self._state.scale.fill_(scale)
+            self._state.growth_tracker.fill_(tracker)
+            self._state.hysteresis_tracker.fill_(hyst_tracker)
+            self._state.skipped_steps.fill_(skipped)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if self._enabled:
+            if self._records:
+                raise RuntimeError("A GradScaler can be pickled only between iterations: before scale() or right after update().")
+            sd = self.state_dict()
+            state["_init_scale"] = sd["scale"]
+            state["_init_growth_tracker"] = sd["_growth_tracker"]
+            state["_init_hysteresis_tracker"] = sd["_hysteresis_tracker"]
+            state["_init_skipped_steps"] = sd["_skipped_steps"]
+            state["_state"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    # Compatibility with code written against torch's private helpers (e.g. FSDP's scaler).
+    def _found_inf_per_device(self, optimizer) -> dict[torch.device, torch.Tensor]:
+        rec = self._records.get(id(optimizer))
+        return {} if rec is None else rec.found_inf_per_device
+
+    def _check_inf_per_device(self, optimizer) -> dict[torch.device, torch.Tensor]:
+        state = self._require_state("_check_inf_per_device")
+        found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
+        rec = self._record(optimizer)
+        rec.found_inf_per_device = self._unscale_grads_(optimizer, state.scale, found_inf, allow_fp16=True, check_only=True)
+        return rec.found_inf_per_device

@@ -1,0 +1,499 @@
+"""GradScaler against torch.amp.GradScaler: trajectories, skipped steps, misuse, checkpoints, syncs."""
+
+import copy
+import os
+import pickle
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import dispatch_amp as amp
+from dispatch_amp import GradScaler, OptState
+from dispatch_amp.kernels import unscale as unscale_mod
+
+HAS_TRITON_CPU = unscale_mod.triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
+OUR_BACKENDS = ["torch", "triton"] if HAS_TRITON_CPU else ["torch"]
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01),
+    "fused_adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01, fused=True),
+}
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts host syncs: every .item()/bool() on a tensor reaches aten._local_scalar_dense."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+
+def make_opts(model, kind, n_opts):
+    params = list(model.parameters())
+    if n_opts == 1:
+        return [OPTIMIZERS[kind](params)]
+    return [OPTIMIZERS[kind](params[:2]), OPTIMIZERS[kind](params[2:])]
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(torch.nan_to_num(a, 7.0), torch.nan_to_num(b, 7.0)) and torch.equal(a.isnan(), b.isnan())
+
+
+def snapshot(model, opts):
+    params = [p.detach().clone() for p in model.parameters()]
+    states = [
+        {k: (v.clone() if isinstance(v, torch.Tensor) else v) for s in opt.state.values() for k, v in s.items()}
+        for opt in opts
+    ]
+    state_tensors = [[v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)] for opt in opts]
+    return params, states, state_tensors
+
+
+def assert_same_snapshot(a, b):
+    for x, y in zip(a[0], b[0]):
+        assert bits_equal(x, y)
+    for xs, ys in zip(a[2], b[2]):
+        assert len(xs) == len(ys)
+        for x, y in zip(xs, ys):
+            assert bits_equal(x, y)
+
+
+# ------------------------------------------------------------------------------------------
+# Trajectory parity
+# ------------------------------------------------------------------------------------------
+
+injections = st.sampled_from([None, None, None, (0, float("inf")), (0, float("nan")), (1, float("-inf")), ("both", float("inf"))])
+
+
+def train(scaler, model, opts, schedule, seed, pre_unscale, accumulate):
+    gen = torch.Generator().manual_seed(seed)
+    scales, skipped = [], []
+    for inject in schedule:
+        for opt in opts:
+            opt.zero_grad()
+        for _ in range(2 if accumulate else 1):
+            x, y = torch.randn(5, 6, generator=gen), torch.randn(5, 3, generator=gen)
+            scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        if inject is not None:
+            target, value = inject
+            targets = range(len(opts)) if target == "both" else [min(target, len(opts) - 1)]
+            for t in targets:
+                opts[t].param_groups[0]["params"][0].grad.view(-1)[1] = value
+        if pre_unscale:
+            for opt in opts:
+                scaler.unscale_(opt)
+        skipped.append([scaler.step(opt) is None for opt in opts])
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales, skipped
+
+
+@settings(max_examples=30)
+@given(
+    kind=st.sampled_from(sorted(OPTIMIZERS)),
+    n_opts=st.integers(1, 2),
+    schedule=st.lists(injections, min_size=1, max_size=10),
+    init_exp=st.integers(0, 20),
+    growth_interval=st.integers(1, 3),
+    pre_unscale=st.booleans(),
+    accumulate=st.booleans(),
+    backend=st.sampled_from(OUR_BACKENDS),
+    seed=st.integers(0, 1000),
+)
+def test_trajectory_matches_torch(kind, n_opts, schedule, init_exp, growth_interval, pre_unscale, accumulate, backend, seed):
+    kwargs = dict(init_scale=2.0**init_exp, growth_interval=growth_interval)
+    ref_model, our_model = make_model(seed), make_model(seed)
+    ref_opts, our_opts = make_opts(ref_model, kind, n_opts), make_opts(our_model, kind, n_opts)
+    ref = train(torch.amp.GradScaler("cpu", **kwargs), ref_model, ref_opts, schedule, seed, pre_unscale, accumulate)
+    ours = train(GradScaler("cpu", backend=backend, **kwargs), our_model, our_opts, schedule, seed, pre_unscale, accumulate)
+    assert ours == ref  # scale sequence and which optimizer skipped when
+    assert_same_snapshot(snapshot(our_model, our_opts), snapshot(ref_model, ref_opts))
+
+
+def test_sparse_gradients_match_torch():
+    results = []
+    for Scaler in (torch.amp.GradScaler, GradScaler):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(20, 4, sparse=True)
+        opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+        scaler = Scaler("cpu", init_scale=256.0)
+        for step in range(3):
+            opt.zero_grad()
+            idx = torch.tensor([1, 1, 5, 7, 1])
+            scaler.scale(emb(idx).sum()).backward()
+            if step == 1:
+                emb.weight.grad._values()[0, 0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+        results.append((emb.weight.detach().clone(), scaler.get_scale()))
+    assert bits_equal(results[0][0], results[1][0]) and results[0][1] == results[1][1] == 128.0
+
+
+# ------------------------------------------------------------------------------------------
+# No data lost
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("backend", OUR_BACKENDS)
+def test_skipped_step_leaves_params_and_state_bit_identical(kind, backend):
+    model = make_model()
+    (opt,) = make_opts(model, kind, 1)
+    scaler = GradScaler("cpu", init_scale=1024.0, backend=backend)
+    x = torch.randn(4, 6)
+    for bad in (False, True):
+        opt.zero_grad()
+        scaler.scale(model(x).sum()).backward()
+        if bad:
+            model[2].bias.grad[0] = float("nan")
+            before = snapshot(model, [opt])
+        result = scaler.step(opt)
+        scaler.update()
+    assert result is None or kind == "fused_adamw"  # fused optimizers skip on the device
+    assert_same_snapshot(snapshot(model, [opt]), before)
+    assert scaler.get_scale() == 512.0 and scaler.skipped_steps == 1
+
+
+def test_each_optimizer_skips_on_its_own_overflow():
+    model = make_model()
+    opts = make_opts(model, "sgd", 2)
+    scaler = GradScaler("cpu")
+    scaler.scale(model(torch.randn(3, 6)).sum()).backward()
+    model[2].weight.grad[0, 0] = float("inf")  # belongs to the second optimizer
+    before = model[0].weight.detach().clone()
+    scaler.step(opts[0])
+    assert not torch.equal(model[0].weight, before)  # the first optimizer stepped
+    assert scaler.step(opts[1]) is None
+    scaler.update()
+    assert not torch.equal(model[0].weight, before)
+    assert scaler.get_scale() == 2.0**15 and scaler.skipped_steps == 1
+
+
+# ------------------------------------------------------------------------------------------
+# Host syncs
+# ------------------------------------------------------------------------------------------
+
+
+def syncs_per_step(kind, n_opts, pre_unscale, steps=3):
+    model = make_model()
+    opts = make_opts(model, kind, n_opts)
+    scaler = GradScaler("cpu")
+    counts = []
+    for _ in range(steps):
+        for opt in opts:
+            opt.zero_grad()
+        loss = model(torch.randn(4, 6)).pow(2).mean()
+        with SyncCounter() as counter:
+            scaler.scale(loss).backward()
+            if pre_unscale:
+                scaler.unscale_(*opts)
+            for opt in opts:
+                scaler.step(opt)
+            scaler.update()
+        counts.append(counter.count)
+    return counts
+
+
+@pytest.mark.parametrize(
+    "kind, n_opts, pre_unscale, expected",
+    [
+        ("sgd", 1, False, 1),
+        ("sgd", 2, True, 1),  # unscaled together: one sync serves both steps
+        ("sgd", 2, False, 2),  # torch's lazy-unscale order: each step must see its own flag
+        ("fused_adamw", 1, False, 0),
+        ("fused_adamw", 2, False, 0),
+    ],
+)
+def test_host_syncs_per_step(kind, n_opts, pre_unscale, expected):
+    assert syncs_per_step(kind, n_opts, pre_unscale) == [expected] * 3
+
+
+# ------------------------------------------------------------------------------------------
+# Misuse
+# ------------------------------------------------------------------------------------------
+
+
+def fresh(**kw):
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler("cpu", init_scale=64.0, **kw)
+    scaler.scale(model(torch.randn(2, 6)).sum()).backward()
+    return model, opt, scaler
+
+
+def grads_of(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_unscale_twice_raises_and_changes_nothing():
+    model, opt, scaler = fresh()
+    scaler.unscale_(opt)
+    grads = grads_of(model)
+    with pytest.raises(RuntimeError, match=r"unscale_\(\) has already been called on this optimizer since the last update\(\)"):
+        scaler.unscale_(opt)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_of(model)))
+
+
+def test_unscale_after_step_raises():
+    model, opt, scaler = fresh()
+    scaler.step(opt)
+    with pytest.raises(RuntimeError, match=r"after step\(\).*STEPPED.*update\(\)"):
+        scaler.unscale_(opt)
+
+
+def test_step_twice_raises():
+    model, opt, scaler = fresh()
+    scaler.step(opt)
+    params = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"step\(\) has already been called since the last update\(\)"):
+        scaler.step(opt)
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+
+
+def test_calls_before_scale_raise():
+    scaler = GradScaler("cpu")
+    opt = torch.optim.SGD(make_model().parameters(), lr=0.1)
+    for call in (lambda: scaler.unscale_(opt), lambda: scaler.step(opt), lambda: scaler.update()):
+        with pytest.raises(RuntimeError, match=r"before scale\(\)"):
+            call()
+
+
+def test_update_without_step_raises():
+    _, _, scaler = fresh()
+    with pytest.raises(RuntimeError, match="no inf checks"):
+        scaler.update()
+    assert scaler.get_scale() == 64.0
+
+
+def test_closure_is_refused():
+    _, opt, scaler = fresh()
+    with pytest.raises(RuntimeError, match="Closure"):
+        scaler.step(opt, closure=lambda: 0.0)
+
+
+def test_fp16_params_are_refused_before_anything_changes():
+    model = make_model()
+    other = torch.nn.Linear(2, 2).half()
+    opt_ok, opt_bad = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(other.parameters(), lr=0.1)
+    scaler = GradScaler("cpu")
+    scaler.scale(model(torch.randn(2, 6)).sum()).backward()
+    other.weight.grad = torch.ones(2, 2, dtype=torch.float16)
+    grads = grads_of(model)
+    with pytest.raises(ValueError, match="FP16 gradients"):
+        scaler.unscale_(opt_ok, opt_bad)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_of(model)))
+    assert scaler._records.get(id(opt_ok)) is None or scaler._records[id(opt_ok)].stage is OptState.READY
+
+
+def test_scale_rejects_non_tensors():
+    with pytest.raises(TypeError, match="Tensor or an iterable"):
+        GradScaler("cpu").scale([torch.ones(1), 3.0])
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"growth_factor": 1.0}, "growth_factor"),
+        ({"backoff_factor": 1.0}, "backoff_factor"),
+        ({"growth_interval": 0}, "growth_interval"),
+        ({"init_scale": 0.0}, "init_scale"),
+        ({"hysteresis": 0}, "hysteresis"),
+        ({"min_scale": 4.0, "max_scale": 2.0}, "min_scale"),
+        ({"init_scale": 1.0, "min_scale": 2.0}, "outside"),
+        ({"backend": "cuda"}, "backend"),
+    ],
+)
+def test_bad_constructor_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GradScaler("cpu", **kwargs)
+
+
+def test_setters_validate():
+    scaler = GradScaler("cpu")
+    scaler.set_growth_factor(3.0)
+    scaler.set_backoff_factor(0.25)
+    scaler.set_growth_interval(7)
+    assert (scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval()) == (3.0, 0.25, 7)
+    with pytest.raises(ValueError, match="growth_factor"):
+        scaler.set_growth_factor(0.5)
+    assert scaler.get_growth_factor() == 3.0
+
+
+# ------------------------------------------------------------------------------------------
+# Surface: scale, update(new_scale), disabled, extras
+# ------------------------------------------------------------------------------------------
+
+
+def test_scale_nested_outputs():
+    scaler = GradScaler("cpu", init_scale=4.0)
+    out = scaler.scale([torch.ones(2), (torch.ones(1), [torch.full((1,), 2.0)])])
+    assert isinstance(out, list) and isinstance(out[1], tuple) and isinstance(out[1][1], list)
+    assert out[0].tolist() == [4.0, 4.0] and out[1][1][0].item() == 8.0
+
+
+def test_update_with_new_scale():
+    _, opt, scaler = fresh()
+    scaler.step(opt)
+    scaler.update(new_scale=8.0)
+    assert scaler.get_scale() == 8.0
+    scaler.update(torch.tensor([2.0]))
+    assert scaler.get_scale() == 2.0
+    for bad, error in ((torch.ones(2), ValueError), (torch.ones(1, requires_grad=True), ValueError), (0.0, ValueError), ("2", TypeError)):
+        with pytest.raises(error):
+            scaler.update(bad)
+    assert scaler.get_scale() == 2.0
+
+
+def test_disabled_scaler_passes_through():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler("cpu", enabled=False)
+    loss = model(torch.randn(2, 6)).sum()
+    assert scaler.scale(loss) is loss
+    loss.backward()
+    scaler.unscale_(opt)
+    assert scaler.step(opt) is None  # SGD.step returns None
+    scaler.update()
+    assert not scaler.is_enabled() and scaler.get_scale() == 1.0 and scaler.state_dict() == {}
+
+
+def test_cuda_scaler_without_cuda_disables_itself_like_torch():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    with pytest.warns(UserWarning, match="CUDA is not available"):
+        scaler = amp.GradScaler()
+    assert not scaler.is_enabled()
+
+
+def test_hysteresis_and_min_scale_with_warning():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler("cpu", init_scale=4.0, hysteresis=2, min_scale=2.0)
+    scales = []
+    with pytest.warns(RuntimeWarning, match="min_scale"):
+        for _ in range(6):
+            opt.zero_grad()
+            scaler.scale(model(torch.randn(2, 6)).sum()).backward()
+            model[0].bias.grad[0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+    assert scales == [4.0, 2.0, 2.0, 2.0, 2.0, 2.0]
+    assert scaler.skipped_steps == 6
+
+
+def test_max_scale_caps_growth():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = GradScaler("cpu", init_scale=4.0, growth_interval=1, max_scale=16.0)
+    for _ in range(4):
+        scaler.scale(model(torch.randn(2, 6)).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert scaler.get_scale() == 16.0 and scaler.skipped_steps == 0
+
+
+# ------------------------------------------------------------------------------------------
+# Checkpoints
+# ------------------------------------------------------------------------------------------
+
+TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
+
+def stepped_scaler(Scaler, **kw):
+    scaler = Scaler("cpu", init_scale=64.0, growth_interval=3, **kw)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        scaler.scale(model(torch.randn(2, 6)).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+    return scaler
+
+
+def test_state_dict_round_trips_with_torch():
+    ours = stepped_scaler(GradScaler)
+    theirs = torch.amp.GradScaler("cpu")
+    theirs.load_state_dict(ours.state_dict())
+    assert theirs.state_dict() == {k: ours.state_dict()[k] for k in TORCH_KEYS}
+    back = GradScaler("cpu", hysteresis=3)
+    back.load_state_dict(stepped_scaler(torch.amp.GradScaler).state_dict())
+    sd = back.state_dict()
+    assert {k: sd[k] for k in TORCH_KEYS} == stepped_scaler(torch.amp.GradScaler).state_dict()
+    assert sd["hysteresis"] == 3 and sd["_hysteresis_tracker"] == 3 and sd["_skipped_steps"] == 0
+
+
+def test_state_dict_restores_extras_into_a_live_scaler():
+    src = stepped_scaler(GradScaler, hysteresis=2, min_scale=1.0)
+    dst = stepped_scaler(GradScaler)
+    dst.load_state_dict(src.state_dict())
+    assert dst.state_dict() == src.state_dict()
+
+
+CORRUPT = [
+    (lambda d: d.pop("scale"), ValueError, "'scale'"),
+    (lambda d: d.pop("_growth_tracker"), ValueError, "'_growth_tracker'"),
+    (lambda d: d.update(scale="64"), TypeError, "'scale'"),
+    (lambda d: d.update(scale=True), TypeError, "'scale'"),
+    (lambda d: d.update(scale=-1.0), ValueError, "'scale'"),
+    (lambda d: d.update(scale=0.0), ValueError, "'scale'"),
+    (lambda d: d.update(scale=float("inf")), ValueError, "'scale'"),
+    (lambda d: d.update(scale=float("nan")), ValueError, "'scale'"),
+    (lambda d: d.update(growth_factor=0.5), ValueError, "growth_factor"),
+    (lambda d: d.update(backoff_factor=1.5), ValueError, "backoff_factor"),
+    (lambda d: d.update(growth_interval=0), ValueError, "growth_interval"),
+    (lambda d: d.update(growth_interval=2.5), TypeError, "growth_interval"),
+    (lambda d: d.update(_growth_tracker=-1), ValueError, "_growth_tracker"),
+    (lambda d: d.update(hysteresis=0), ValueError, "hysteresis"),
+    (lambda d: d.update(min_scale=8.0, max_scale=4.0), ValueError, "min_scale"),
+    (lambda d: d.update(_hysteresis_tracker=9), ValueError, "_hysteresis_tracker"),
+    (lambda d: d.update(_skipped_steps="x"), TypeError, "_skipped_steps"),
+    (lambda d: d.clear(), ValueError, "empty"),
+]
+
+
+@pytest.mark.parametrize("corrupt, error, match", CORRUPT)
+def test_corrupt_state_dict_is_refused_and_changes_nothing(corrupt, error, match):
+    scaler = stepped_scaler(GradScaler)
+    before = scaler.state_dict()
+    bad = copy.deepcopy(before)
+    corrupt(bad)
+    with pytest.raises(error, match=match):
+        scaler.load_state_dict(bad)
+    assert scaler.state_dict() == before
+
+
+def test_pickle_between_iterations():
+    scaler = stepped_scaler(GradScaler, hysteresis=2)
+    clone = pickle.loads(pickle.dumps(scaler))
+    assert clone.state_dict() == scaler.state_dict()
+    _, opt, live = fresh()
+    live.unscale_(opt)
+    with pytest.raises(RuntimeError, match="pickled only between iterations"):
+        pickle.dumps(live)
+
+
+def test_unknown_optimizer_type_is_a_type_error():
+    _, _, scaler = fresh()
+    with pytest.raises(TypeError, match="Optimizer"):
+        scaler.step(object())
+
+
+def test_no_warnings_in_a_clean_run():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stepped_scaler(GradScaler)
