@@ -32,3 +32,14 @@ def test_readme_example_script_runs():
     )
     assert out.returncode == 0, out.stderr
     assert "dispatch_amp.autocast" in out.stdout
+
+
+def test_readme_python_examples_run():
+    import re
+
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert len(blocks) >= 3
+    namespace: dict = {}
+    for block in blocks:  # in order: later examples use names from earlier ones
+        exec(compile(block, "README.md", "exec"), namespace)
+    assert namespace["scaler"].get_scale() > 0

@@ -11,6 +11,18 @@ Switch from native AMP by changing one import::
 
 __version__ = "0.1.0"
 
+__all__ = [
+    "autocast",
+    "is_autocast_enabled",
+    "get_autocast_dtype",
+    "Policy",
+    "custom_fwd",
+    "custom_bwd",
+    "checkpoint",
+    "GradScaler",
+    "OptState",
+]
+
 from .autocast import autocast, get_autocast_dtype, is_autocast_enabled  # noqa: E402
 from .policy import Policy  # noqa: E402
 from .checkpoint import checkpoint  # noqa: E402
