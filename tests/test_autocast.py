@@ -303,6 +303,18 @@ def test_in_place_change_invalidates_the_cached_cast():
     torch.testing.assert_close(after.float(), 2 * before.float(), rtol=2e-2, atol=1e-2)
 
 
+def test_model_built_under_inference_mode_is_cast_without_the_cache():
+    # Inference tensors have no version counter; native handles them, so must we.
+    with torch.inference_mode():
+        lin = torch.nn.Linear(4, 4)
+        x = torch.randn(2, 4)
+        with torch.autocast("cpu"):
+            expected = lin(x)
+        with amp.autocast("cpu"):
+            got = lin(x)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
+
+
 def test_cache_is_dropped_at_exit_and_not_shared_across_grad_modes():
     lin = torch.nn.Linear(8, 8)
     x = torch.randn(2, 8)

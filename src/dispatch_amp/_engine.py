@@ -219,7 +219,14 @@ def _cast_one(t: _Tensor, dtype: torch.dtype, ctx: DeviceContext, st: _ThreadSta
     # Native caches lower-precision casts of fp32 leaves that require grad (weights).
     # The grad mode is part of the key: a cast made under no_grad has no history and
     # must not be handed to a later op that records one.
-    if ctx.cache_enabled and dtype is ctx.dtype and t.is_leaf and t.requires_grad:
+    # Inference tensors have no version counter, so they are never cached.
+    if (
+        ctx.cache_enabled
+        and dtype is ctx.dtype
+        and t.is_leaf
+        and t.requires_grad
+        and not t.is_inference()
+    ):
         key = (id(t), dtype, torch.is_grad_enabled())
         hit = st.cache.get(key)
         if hit is not None and hit[0] is t and hit[1] == t._version:
@@ -337,6 +344,7 @@ def _never(*args, **kwargs) -> bool:
 
 
 _CLONES: dict = {}
+_CLONING: set = set()
 
 
 def _clone_without_dispatch_check(func: types.FunctionType) -> types.FunctionType:
@@ -354,12 +362,35 @@ def _clone_without_dispatch_check(func: types.FunctionType) -> types.FunctionTyp
         scope["has_torch_function"] = _never
         scope["has_torch_function_unary"] = _never
         scope["has_torch_function_variadic"] = _never
+        closure = func.__closure__
+        if closure:
+            # Wrappers such as torch's boolean_dispatch (torch.lu, F.max_pool2d) hold the
+            # real function in their closure; it checks again, so it is cloned too
+            # (except a cell holding a function being cloned: wrappers refer to themselves).
+            _CLONING.add(func)
+            try:
+                closure = tuple(
+                    types.CellType(_clone_without_dispatch_check(cell.cell_contents))
+                    if _is_torch_python_function(cell.cell_contents)
+                    and cell.cell_contents not in _CLONING
+                    else cell
+                    for cell in closure
+                )
+            finally:
+                _CLONING.discard(func)
         clone = types.FunctionType(
-            func.__code__, scope, func.__name__, func.__defaults__, func.__closure__
+            func.__code__, scope, func.__name__, func.__defaults__, closure
         )
         clone.__kwdefaults__ = func.__kwdefaults__
         _CLONES[func] = clone
     return clone
+
+
+def _is_torch_python_function(obj) -> bool:
+    try:
+        return isinstance(obj, types.FunctionType) and (obj.__module__ or "").startswith("torch")
+    except ValueError:  # an empty closure cell
+        return False
 
 
 class _FunctionLevel(TorchFunctionMode):

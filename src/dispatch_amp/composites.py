@@ -8,8 +8,8 @@ runs its matmuls in fp32 or fails on mixed inputs. So the function level runs th
 Python versions instead, with itself active: the ``F.linear`` calls inside are cast as
 native casts them and everything else follows ordinary type promotion.
 
-Each decomposition follows its C++ original (aten/src/ATen/native/RNN.cpp, CPU path)
-op for op, in-place ops included, so values and autograd graphs are the same. It is used
+Each decomposition follows its C++ original (aten/src/ATen/native/RNN.cpp, CPU path;
+PadNd.cpp for ``pad``) op for op, in-place ops included, so values and autograd graphs are the same. It is used
 only when the op is in no table of the active policy (the CUDA table casts these ops
 whole, as cuDNN does) and returns ``NOT_HANDLED`` for call forms it does not cover,
 which then run as given.
@@ -98,9 +98,20 @@ def gru(input, hx, params, has_biases, num_layers, dropout, train, bidirectional
     return output, torch.stack(finals, 0)
 
 
+def pad(input, pad, mode="constant", value=None):
+    # F.pad picks reflection_padNd / replication_padNd in C++; native CPU autocast runs
+    # several of those in fp32, so the pick has to happen where we can see it.
+    if mode not in ("reflect", "replicate") or value is not None or len(pad) % 2:
+        return NOT_HANDLED
+    family = "reflection" if mode == "reflect" else "replication"
+    op = getattr(torch._C._nn, f"{family}_pad{len(pad) // 2}d", None)
+    return NOT_HANDLED if op is None else op(input, pad)
+
+
 # aten op name -> decomposition
 DECOMPOSITIONS = {
     "lstm_cell": lstm_cell,
     "gru_cell": gru_cell,
     "gru": gru,
+    "pad": pad,
 }

@@ -91,7 +91,10 @@ CPU_TABLE = {
     LOWER: (
         "conv1d", "conv2d", "conv3d", "conv_tbc",
         "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
-        "convolution", "_convolution",
+        # Native CPU registers only _convolution.deprecated; a rule covers every overload,
+        # so torch._convolution with the current signature is cast too (native: fp32).
+        # `convolution` is not registered on CPU: torch.convolution runs as given there.
+        "_convolution",
         "linear", "matmul", "linalg_matmul", "mm", "bmm", "addmm", "addbmm", "baddbmm",
         "_addmm_activation", "linalg_vecdot",
         # CPU autocast has no entry for these composites, but each one reaches mm/bmm
