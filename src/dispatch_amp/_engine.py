@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .composites import NOT_HANDLED
 from .op_tables import BANNED, FP32, FP32_UNLESS_DTYPE, LOWER, PROMOTE
-from .policy import EXPAND, Policy
+from .policy import EXPAND, GETTER, Policy
 
 _Tensor = torch.Tensor
 
@@ -405,6 +405,14 @@ class _FunctionLevel(TorchFunctionMode):
                 return func(*args, **kwargs) if kwargs else func(*args)
         kind = ctx.policy.function_kind(func)
         if kind is None:
+            # Not cast. With grad enabled the aten level has nothing to do inside (it only
+            # acts where autograd records nothing), but its presence costs a Python call
+            # per aten op and sends some C++ composites down slower paths (an active
+            # dispatch mode makes every tensor look like a subclass), so it steps aside.
+            if torch.is_grad_enabled():
+                return _call_without_aten_level(st, func, args, kwargs)
+            return func(*args, **kwargs) if kwargs else func(*args)
+        if kind is GETTER:
             return func(*args, **kwargs) if kwargs else func(*args)
         if kind is EXPAND:
             return self._expand(st, func, args, kwargs)
@@ -447,6 +455,17 @@ class _FunctionLevel(TorchFunctionMode):
                 return clone(*args, **kwargs)
         finally:
             st.expanding.discard(func)
+
+
+def _call_without_aten_level(st: _ThreadState, func, args, kwargs):
+    dynamo_hook = _disarm_dynamo()
+    aten_level = _pop_aten_level(st)
+    try:
+        return func(*args, **kwargs) if kwargs else func(*args)
+    finally:
+        if aten_level is not None:
+            torch._C._push_on_torch_dispatch_stack(aten_level)
+        _rearm_dynamo(dynamo_hook)
 
 
 # -- the aten level (below autograd) ----------------------------------------------------

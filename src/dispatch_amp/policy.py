@@ -29,8 +29,10 @@ from .op_tables import BANNED, FP32, FP32_UNLESS_DTYPE, KINDS, LOWER, PROMOTE
 __all__ = ["Policy", "LOWER", "FP32", "FP32_UNLESS_DTYPE", "PROMOTE", "BANNED"]
 
 # Marks a Python composite from torch whose body must run with the function level still
-# active (see _engine.expand_python_composite).
+# active (see _engine._FunctionLevel._expand).
 EXPAND = "expand"
+# Marks a tensor attribute getter/setter (t.shape, t.grad...): run as given, no bookkeeping.
+GETTER = "getter"
 
 # Python-level names whose aten op is spelled differently.
 _FUNCTION_ALIASES = {
@@ -41,6 +43,18 @@ _FUNCTION_ALIASES = {
 }
 
 OpLike = str | OpOverloadPacket | OpOverload
+
+
+def _is_torch_python_function(obj) -> bool:
+    return isinstance(obj, types.FunctionType) and (obj.__module__ or "").startswith("torch")
+
+
+def _names_used(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):  # nested functions and lambdas
+            names |= _names_used(const)
+    return names
 
 
 def _qualified_name(op: OpLike) -> str:
@@ -221,6 +235,8 @@ class Policy:
         if isinstance(func, OpOverloadPacket):
             return self._rules.get(func._qualified_op_name)
         name = getattr(func, "__name__", None)
+        if name == "__get__" or name == "__set__":
+            return GETTER
         if isinstance(name, str):
             name = _FUNCTION_ALIASES.get(name, name)
             kind = self._rules.get("aten::" + name)
@@ -231,9 +247,39 @@ class Policy:
             decomposition = DECOMPOSITIONS.get(name)
             if decomposition is not None:
                 return decomposition
-        if isinstance(func, types.FunctionType) and (func.__module__ or "").startswith("torch"):
+        if _is_torch_python_function(func) and self._may_reach_a_rule(func, set()):
             return EXPAND
         return None
+
+    def _may_reach_a_rule(self, func: types.FunctionType, seen: set) -> bool:
+        """Whether a torch Python function may call an op this policy casts.
+
+        Expanding costs a mode re-entry per call, so thin wrappers (F.relu, F.dropout,
+        F.batch_norm) whose code names no op of the policy run whole instead. The check
+        reads every name the code uses (attribute names included), follows the torch
+        Python functions it names or holds in its closure, and answers True whenever in
+        doubt, so it can only err towards expanding.
+        """
+        if func in seen:
+            return False
+        seen.add(func)
+        for name in _names_used(func.__code__):
+            name = _FUNCTION_ALIASES.get(name, name)
+            if "aten::" + name in self._rules or name in DECOMPOSITIONS:
+                return True
+            target = func.__globals__.get(name)
+            if _is_torch_python_function(target) and self._may_reach_a_rule(target, seen):
+                return True
+        for cell in func.__closure__ or ():
+            try:
+                target = cell.cell_contents
+            except ValueError:  # empty cell
+                continue
+            if _is_torch_python_function(target) and self._may_reach_a_rule(target, seen):
+                return True
+            if callable(target) and not _is_torch_python_function(target):
+                return True  # an unknown callable: assume the worst
+        return False
 
     def aten_kind(self, func: OpOverload) -> str | None:
         """Cast kind for an aten overload seen by the dispatch level (memoized)."""
