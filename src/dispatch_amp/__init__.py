@@ -21,6 +21,8 @@ __all__ = [
     "checkpoint",
     "GradScaler",
     "OptState",
+    "PrecisionCensus",
+    "NonFiniteTracer",
 ]
 
 from .autocast import autocast, get_autocast_dtype, is_autocast_enabled  # noqa: E402
@@ -28,3 +30,5 @@ from .policy import Policy  # noqa: E402
 from .checkpoint import checkpoint  # noqa: E402
 from .custom_function import custom_bwd, custom_fwd  # noqa: E402
 from .grad_scaler import GradScaler, OptState  # noqa: E402
+from .census import PrecisionCensus  # noqa: E402
+from .tracing import NonFiniteTracer  # noqa: E402
