@@ -23,6 +23,11 @@ __all__ = [
     "OptState",
     "PrecisionCensus",
     "NonFiniteTracer",
+    "initialize",
+    "scale_loss",
+    "master_params",
+    "loss_scalers",
+    "OptLevelProperties",
 ]
 
 from .autocast import autocast, get_autocast_dtype, is_autocast_enabled  # noqa: E402
@@ -32,3 +37,10 @@ from .custom_function import custom_bwd, custom_fwd  # noqa: E402
 from .grad_scaler import GradScaler, OptState  # noqa: E402
 from .census import PrecisionCensus  # noqa: E402
 from .tracing import NonFiniteTracer  # noqa: E402
+from .opt_levels import (  # noqa: E402
+    OptLevelProperties,
+    initialize,
+    loss_scalers,
+    master_params,
+    scale_loss,
+)

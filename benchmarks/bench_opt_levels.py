@@ -1,0 +1,226 @@
+"""Benchmark: Apex-style opt levels (ours O1/O2/O3) against fp32 and native torch.autocast, CPU bf16.
+
+Usage::
+
+    python benchmarks/bench_opt_levels.py [--quick] [--csv PATH]
+
+One GPT-style model (benchmarks/models.py), AdamW, one full train step per sample
+(forward, loss, backward, optimizer step; zero_grad included). Configurations:
+
+* ``fp32``: no mixed precision.
+* ``native``: ``torch.autocast("cpu", bfloat16)`` around forward + loss, no loss scaling
+  (the usual bf16 recipe).
+* ``native+scaler``: the same with ``torch.amp.GradScaler("cpu")``, to compare with the
+  dynamic loss scale that O1/O2 carry by default.
+* ``O1``/``O2``/``O3``: ``dispatch_amp.opt_levels.initialize`` at that level, table
+  defaults (O1/O2 dynamic loss scale, O3 none), ``scale_loss`` + ``optimizer.step()``.
+
+Time: DESIGN.md "Performance method": same process, interleaved in rotating order, warm-up
+first, medians, plus the median of the per-round ratio against ``native``. Memory: each
+configuration in its own subprocess, which reports ``resource.getrusage`` peak RSS after
+setup (model, optimizer, data, one warm-up step: optimizer state and master weights
+exist) and the peak RSS during three more steps (Linux: ``VmHWM`` after resetting it via
+``/proc/self/clear_refs``); the difference is the per-step working set (activations,
+gradients, weight casts). Timings
+are never asserted anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.util
+import json
+import pathlib
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from dispatch_amp.opt_levels import initialize, scale_loss
+
+_HERE = pathlib.Path(__file__).resolve().parent
+_spec = importlib.util.spec_from_file_location("_dispatch_amp_bench_models", _HERE / "models.py")
+M = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = M
+_spec.loader.exec_module(M)
+
+CONFIGS = ("fp32", "native", "native+scaler", "O1", "O2", "O3")
+
+
+def _case(quick: bool):
+    if quick:
+        cfg, batch, seq = M.GPTConfig(vocab=1024, d_model=128, n_heads=4, n_blocks=2, max_len=64), 4, 64
+    else:
+        cfg, batch, seq = M.GPTConfig(vocab=4096, d_model=384, n_heads=6, n_blocks=2, max_len=128), 8, 128
+    desc = f"GPT vocab {cfg.vocab}, d {cfg.d_model}, {cfg.n_heads} heads, {cfg.n_blocks} blocks, {batch}x{seq} tok, AdamW"
+    return desc, cfg, batch, seq
+
+
+def make(config: str, quick: bool):
+    """(step function, description) for one configuration, on a fresh model seeded alike."""
+    desc, cfg, batch, seq = _case(quick)
+    torch.manual_seed(0)
+    model = M.GPT(cfg).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    idx, tgt = M.gpt_batch(cfg, batch, seq, generator=torch.Generator().manual_seed(1))
+
+    if config == "fp32":
+        def step():
+            opt.zero_grad(set_to_none=True)
+            model.loss(idx, tgt).backward()
+            opt.step()
+    elif config == "native":
+        def step():
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model.loss(idx, tgt)
+            loss.backward()
+            opt.step()
+    elif config == "native+scaler":
+        scaler = torch.amp.GradScaler("cpu")
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model.loss(idx, tgt)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    elif config in ("O1", "O2", "O3"):
+        model, opt = initialize(model, opt, config, dtype=torch.bfloat16)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            loss = model.loss(idx, tgt)
+            with scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+    else:
+        raise ValueError(f"unknown config {config!r}; one of {CONFIGS}")
+    return step, desc
+
+
+def rotations(items, rounds):
+    for r in range(rounds):
+        k = r % len(items)
+        yield items[k:] + items[:k]
+
+
+def bench_time(quick: bool):
+    rounds = 5 if quick else 11
+    warmup = 2
+    steps = {}
+    desc = ""
+    for c in CONFIGS:
+        steps[c], desc = make(c, quick)
+        for _ in range(warmup):
+            steps[c]()
+    samples = {c: [] for c in CONFIGS}
+    for order in rotations(list(CONFIGS), rounds):
+        for c in order:
+            t0 = time.perf_counter()
+            steps[c]()
+            samples[c].append((time.perf_counter() - t0) * 1e3)
+    rows = []
+    for c in CONFIGS:
+        ratios = [a / b for a, b in zip(samples[c], samples["native"])]
+        rows.append({
+            "config": c,
+            "ms": statistics.median(samples[c]),
+            "ms_min": min(samples[c]),
+            "over_native": statistics.median(ratios),
+            "rounds": rounds,
+        })
+    return desc, rows
+
+
+def _status_kb(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _memory_child(config: str, quick: bool) -> None:
+    step, _ = make(config, quick)
+    step()  # first step: lazily created optimizer state, scaler, caches
+    # Imports (torch, triton) set a high-water mark above a small model's training; on
+    # Linux, writing 5 to clear_refs resets VmHWM so the peak of the steps alone is seen.
+    setup_kb = _status_kb("VmRSS")
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        peak_field = "VmHWM"
+    except OSError:  # not Linux: ru_maxrss, which may still be the import peak
+        peak_field = None
+        setup_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for _ in range(3):
+        step()
+    peak_kb = _status_kb(peak_field) if peak_field else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"setup_mb": setup_kb / 1024, "peak_mb": peak_kb / 1024}))
+
+
+def bench_memory(quick: bool):
+    rows = []
+    for c in CONFIGS:
+        cmd = [sys.executable, __file__, "--memory-child", c] + (["--quick"] if quick else [])
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        rows.append({"config": c, **r, "train_mb": r["peak_mb"] - r["setup_mb"]})
+    return rows
+
+
+def markdown(rows, columns, headers):
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join(fmt.format(r[c]) for c, fmt in columns) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller model, fewer rounds")
+    parser.add_argument("--csv", metavar="PATH", help="also write the rows as CSV")
+    parser.add_argument("--memory-child", metavar="CONFIG", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.memory_child:
+        _memory_child(args.memory_child, args.quick)
+        return
+
+    t_start = time.perf_counter()
+    print(f"# Opt levels vs native autocast (CPU, bfloat16){' [quick]' if args.quick else ''}\n")
+    print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+          f"torch {torch.__version__}, python {platform.python_version()}\n")
+    desc, timing = bench_time(args.quick)
+    memory = {r["config"]: r for r in bench_memory(args.quick)}
+    rows = [{**t, **memory[t["config"]]} for t in timing]
+    print(f"model: {desc}\n")
+    print("train step: median ms over rounds (interleaved, rotating order); x native: median of "
+          "per-round ratios. Memory (separate process per config): RSS after setup + one step, and the "
+          "peak RSS during three more steps minus it.\n")
+    print(markdown(
+        rows,
+        [("config", "{}"), ("ms", "{:.1f}"), ("ms_min", "{:.1f}"), ("over_native", "{:.3f}"),
+         ("peak_mb", "{:.0f}"), ("train_mb", "{:.0f}")],
+        ["config", "ms/step", "min ms", "x native", "peak RSS MB", "step working set MB"],
+    ))
+    print(f"\n(total {time.perf_counter() - t_start:.0f} s; rounds: {timing[0]['rounds']})")
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=sorted(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+        print(f"wrote {args.csv}")
+
+
+if __name__ == "__main__":
+    main()
