@@ -60,9 +60,10 @@ _TRITON_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 _BLOCK = 4096
 _NUM_WARPS = 8
-# Programs per SM for the persistent grid: enough to hide memory latency, few enough that
-# each program's share of the table search is negligible.
-_PROGRAMS_PER_SM = 4
+# Programs per SM for the persistent grid. ptxas gives the unscale kernel ~125 registers
+# per thread at 8 warps (benchmarks kernels suite, sm_80), so two programs fill an SM's
+# 64K registers; more would only queue behind them as a second, partial wave.
+_PROGRAMS_PER_SM = 2
 # The interpreter runs programs one after another, so more programs only cost time.
 _INTERPRETED_PROGRAMS = 4
 _TABLE_CACHE_SIZE = 16
@@ -195,12 +196,15 @@ if triton is not None:
             code = tl.load(dtype_col + i)
             a = t - first
             b = tl.minimum(t1, end) - first
+            # The launcher sends only 16-byte-aligned gradients; saying so on the typed pointer
+            # (an address loaded from the table is otherwise of unknown alignment) lets full
+            # tiles use 16-byte accesses. It must be stated here: a hint on a helper's argument is lost.
             if code == 0:
-                bad = _tiles(addr.to(tl.pointer_type(tl.float32)), numel, a, b, inv, offs, bad, BLOCK, STORE, False)
+                bad = _tiles(tl.multiple_of(addr.to(tl.pointer_type(tl.float32)), 16), numel, a, b, inv, offs, bad, BLOCK, STORE, False)
             elif code == 1:
-                bad = _tiles(addr.to(tl.pointer_type(tl.float16)), numel, a, b, inv, offs, bad, BLOCK, STORE, False)
+                bad = _tiles(tl.multiple_of(addr.to(tl.pointer_type(tl.float16)), 16), numel, a, b, inv, offs, bad, BLOCK, STORE, False)
             else:
-                bad = _tiles(addr.to(tl.pointer_type(tl.uint16)), numel, a, b, inv, offs, bad, BLOCK, STORE, True)
+                bad = _tiles(tl.multiple_of(addr.to(tl.pointer_type(tl.uint16)), 16), numel, a, b, inv, offs, bad, BLOCK, STORE, True)
             t = first + b
             i += 1
         # One store per program, and only on a hit, so an earlier 1.0 is never cleared.
@@ -286,6 +290,13 @@ def _is_dense(t: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
+
+
+def _triton_can_take(g: torch.Tensor) -> bool:
+    # 16-byte alignment: the kernel promises it to the compiler (tl.multiple_of), which is
+    # what turns full tiles into 16-byte loads and stores. Allocations are aligned; a view
+    # into a flat buffer at an odd offset is not, and goes to the torch path.
+    return g.dtype in _TRITON_DTYPE_CODES and g.numel() > 0 and _is_dense(g) and g.data_ptr() % 16 == 0
 
 
 def _launch_triton(grads, inv_scale, found_inf, store: bool, num_programs: int | None) -> None:
@@ -434,11 +445,11 @@ def _dispatch(grads, inv_scale, found_inf, backend, store, name, num_programs) -
         raise TypeError(f"{name}: inv_scale is required.")
     with torch.no_grad():
         if _use_triton(backend, found_inf.device, name):
-            fast = [g for g in grads if g.dtype in _TRITON_DTYPE_CODES and g.numel() > 0 and _is_dense(g)]
-            rest = [g for g in grads if not (g.dtype in _TRITON_DTYPE_CODES and g.numel() > 0 and _is_dense(g))]
+            fast = [g for g in grads if _triton_can_take(g)]
+            rest = [g for g in grads if not _triton_can_take(g)]
             if fast:
                 _launch_triton(fast, inv_scale, found_inf, store, num_programs)
-            if rest:  # fp64 or gappy layouts
+            if rest:  # fp64, gappy layouts, views not 16-byte aligned
                 _torch_path(rest, inv_scale, found_inf, store)
         else:
             _torch_path(grads, inv_scale, found_inf, store)

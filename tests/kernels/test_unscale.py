@@ -134,7 +134,9 @@ def test_layouts_and_dtypes_outside_the_kernel_go_through_torch():
         torch.randn(40, 40)[:, ::2],  # gappy: torch path
         torch.randn(33, dtype=torch.float64),  # fp64: torch path
         torch.empty(0),
+        torch.randn(5001)[1:],  # 4 bytes past an allocation: not 16-byte aligned, torch path
     ]
+    assert [unscale_mod._triton_can_take(g) for g in grads] == [True, True, False, False, False, False]
     grads[3][7] = float("nan")
     inv = inv_of(3.0)
     ref, found_ref = oracle(grads, inv)

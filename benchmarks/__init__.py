@@ -1,0 +1,1 @@
+"""Benchmarks of dispatch-amp against native PyTorch; run them with ``python -m benchmarks``."""

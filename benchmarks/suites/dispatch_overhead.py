@@ -1,0 +1,72 @@
+"""dispatch-overhead: extra time per tiny op of dispatch_amp.autocast over native autocast.
+
+A loop of one tiny op (``x.add(y)``, ``torch.mm`` on 8x8, ``x.view(64)``) is timed with
+no autocast, with native ``torch.autocast`` and with ours, interleaved; the extra cost per
+op is the distribution over repeats of (ours - native) per round, in microseconds.
+Target (issue 4): median extra <= 5 us per op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+
+import torch
+
+import dispatch_amp
+
+from .common import Table, quantile, rotations, verdict
+
+NAME = "dispatch-overhead"
+TARGET_US = 5.0
+MODES = ("fp32", "native", "ours")
+
+
+def _context(mode: str):
+    if mode == "native":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    if mode == "ours":
+        return dispatch_amp.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _ops():
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    return {"x.add(y)": lambda: x.add(y), "torch.mm 8x8": lambda: torch.mm(x, y), "x.view(64)": lambda: x.view(64)}
+
+
+def _per_op_us(fn, mode: str, iters: int) -> float:
+    with _context(mode):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) / iters * 1e6
+
+
+def run(opts) -> list[Table]:
+    iters, repeats = (1000, 5) if opts.quick else (5000, 21)
+    table = Table(
+        f"dispatch-overhead: us per tiny op (CPU bf16); ours - native over {repeats} interleaved repeats of {iters} ops",
+        [("op", "op", "{}"), ("fp32_us", "no autocast", "{:.2f}"), ("native_us", "native", "{:.2f}"),
+         ("ours_us", "ours", "{:.2f}"), ("extra_median_us", "ours-native median", "{:+.2f}"),
+         ("extra_p10_us", "p10", "{:+.2f}"), ("extra_p90_us", "p90", "{:+.2f}"),
+         ("target", "target", "{}"), ("met", "met?", "{}")],
+    )
+    for name, fn in _ops().items():
+        for mode in MODES:  # warm-up: memos, caches
+            _per_op_us(fn, mode, max(50, iters // 10))
+        samples = {m: [] for m in MODES}
+        for order in rotations(MODES, repeats):
+            for mode in order:
+                samples[mode].append(_per_op_us(fn, mode, iters))
+        extra = [o - n for o, n in zip(samples["ours"], samples["native"])]
+        med = statistics.median(extra)
+        table.rows.append({
+            "op": name, "iters": iters, "repeats": repeats,
+            **{f"{m}_us": statistics.median(samples[m]) for m in MODES},
+            "extra_median_us": med, "extra_p10_us": quantile(extra, 0.1), "extra_p90_us": quantile(extra, 0.9),
+            "extra_min_us": min(extra), "extra_max_us": max(extra),
+            "target": f"<= {TARGET_US:g} us", "met": verdict(med, TARGET_US),
+        })
+    return [table]

@@ -1,0 +1,33 @@
+"""Smoke test of the benchmark runner: every suite runs in --quick mode (numbers are never checked)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# The first line of each suite's tables: "### <suite>: ..." (see benchmarks/suites/).
+HEADERS = [
+    "## train-step", "### train-step: ms/step", "### train-step peak memory",
+    "## dispatch-overhead", "### dispatch-overhead: us per tiny op",
+    "## scaler", "### scaler: unscale + check", "### scaler: step + update",
+    "## kernels", "### kernels: static PTX",
+]
+
+
+@pytest.mark.parametrize("entry", [["benchmarks/run.py"], ["-m", "benchmarks"]], ids=["script", "module"])
+def test_quick_run_prints_every_suite(tmp_path, entry):
+    args = ["--quick", "--out", str(tmp_path)] if entry[0] == "-m" else ["--quick", "--no-save"]
+    if entry[0] == "-m":  # the module form runs one suite only, to keep the test short
+        args += ["--suite", "dispatch-overhead"]
+    res = subprocess.run([sys.executable, *entry, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-4000:]
+    headers = HEADERS if entry[0] != "-m" else [h for h in HEADERS if "dispatch-overhead" in h]
+    missing = [h for h in headers if h not in res.stdout]
+    assert not missing, f"missing tables {missing}:\n{res.stdout[-4000:]}"
+    if entry[0] == "-m":
+        assert (tmp_path / "dispatch-overhead.quick.csv").read_text().startswith("machine,")
