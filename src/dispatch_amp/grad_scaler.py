@@ -27,6 +27,11 @@ a later explicit ``unscale_()`` raise. Optimizers with ``_step_supports_amp_scal
 (torch's fused Adam/AdamW/SGD) get ``grad_scale`` and ``found_inf`` and never sync;
 ``update()`` never syncs; ``get_scale()``, ``state_dict()`` and :attr:`skipped_steps` read
 the device on demand.
+
+Under torch.distributed with sharded gradients (FSDP2, DTensors) the flags are reduced
+across ranks (``MAX``) asynchronously, and waited for just before the read above, so
+the count of syncs stays the same; see "Note: found_inf across ranks" in
+:mod:`dispatch_amp.distributed`.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from typing import Any
 
 import torch
 
+from . import distributed as _dist
 from .kernels import check_finite_, unscale_check_
 from .kernels.scale_update import ScaleState, update_scale_
 
@@ -69,6 +75,8 @@ class _OptRecord:
     found_inf_per_device: dict[torch.device, torch.Tensor] = field(default_factory=dict)
     # The flag as read on the host, once read (None: not read yet).
     found_inf_host: bool | None = None
+    # Work handle of the cross-rank all_reduce of the flag, until waited on.
+    work: Any = None
 
 
 # How many flags one packed read carries: bits of an int64, less one for the floor flag.
@@ -113,6 +121,11 @@ class GradScaler:
       ``min_scale`` stops at it and a warning is raised when the host next reads the flags.
     * :attr:`skipped_steps`: running count of steps skipped for overflow, kept on the device.
     * ``backend``: kernel backend for unscale and update (``"auto"``, ``"triton"``, ``"torch"``).
+    * ``process_group``: for torch.distributed, the group over which each optimizer's
+      found_inf is reduced (``MAX``) so that every rank skips together. ``None`` (default):
+      the world group when torch.distributed is initialized and the optimizer has DTensor
+      parameters (FSDP2), else no reduction (single process, DDP: gradients are already
+      identical on every rank). A ``ProcessGroup``: always reduce over it. ``False``: never.
 
     See "Note: host syncs" in this module for when the host waits for the device.
 
@@ -142,6 +155,7 @@ class GradScaler:
         min_scale: float | None = None,
         max_scale: float | None = None,
         backend: str = "auto",
+        process_group: Any = None,
     ) -> None:
         self._device = device
         self._enabled = enabled
@@ -151,6 +165,8 @@ class GradScaler:
         if backend not in ("auto", "triton", "torch"):
             raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}.")
         self._backend = backend
+        _dist.check_process_group_arg(process_group)
+        self._process_group = process_group
         if not self._enabled:
             return
         _check_config(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale)
@@ -218,6 +234,9 @@ class GradScaler:
                     grad = param.grad
                     if grad is None:
                         continue
+                    # A DTensor gradient (FSDP2) is unscaled through its local shard, in place;
+                    # ranks agree through the found_inf reduction (_reduce_found_inf_).
+                    grad = _dist.local_tensor(grad)
                     if grad.is_sparse:
                         # Duplicate fp16 indices could overflow only once summed; coalesce first
                         # so the check sees the values the optimizer will use (as torch does).
@@ -250,6 +269,7 @@ class GradScaler:
         """One host sync: read the flags of every unscaled, unread optimizer (see "Note: host syncs")."""
         state = self._require_state("step")
         pending = [rec for rec in self._records.values() if rec.stage is OptState.UNSCALED and rec.found_inf_host is None]
+        self._wait_reductions(pending)
         for start in range(0, len(pending), _FLAGS_PER_READ):
             chunk = pending[start : start + _FLAGS_PER_READ]
             flags = []
@@ -267,6 +287,45 @@ class GradScaler:
                 rec.found_inf_host = bool((value >> k) & 1)
             if value >> _FLAGS_PER_READ:
                 self._warn_floor()
+
+    def _reduce_found_inf_(self, optimizers) -> None:
+        """Start the cross-rank MAX of these optimizers' flags (see distributed.py); no wait.
+
+        Each reduced optimizer's flags collapse to one flag on the scale's device, the
+        tensor the reduction writes. One collective for all optimizers sharing a group.
+        """
+        state = self._state
+        by_group: dict[int, tuple[Any, list[_OptRecord]]] = {}
+        for opt in optimizers:
+            group = _dist.resolve_process_group(self._process_group, opt)
+            if group is not _dist.NO_REDUCTION:
+                by_group.setdefault(id(group), (group, []))[1].append(self._record(opt))
+        device = state.scale.device
+        for group, recs in by_group.values():
+            flags = []
+            for rec in recs:
+                per_dev = list(rec.found_inf_per_device.values())
+                if len(per_dev) == 1 and per_dev[0].device == device:
+                    flags.append(per_dev[0])
+                elif per_dev:  # several devices (e.g. offloaded shards): one flag for all
+                    flags.append(torch.stack([f.to(device, non_blocking=True) for f in per_dev]).sum())
+                else:  # no gradients here: still join, so every rank runs the same collectives
+                    flags.append(torch.zeros((), dtype=torch.float32, device=device))
+            reduced, work = _dist.all_reduce_max_async(flags, group)
+            for rec, flag in zip(recs, reduced):
+                rec.found_inf_per_device = {device: flag} if rec.found_inf_per_device else {}
+                rec.work = work
+
+    @staticmethod
+    def _wait_reductions(records) -> None:
+        """Order the pending found_inf reductions before what reads the flags; not a host read."""
+        waited: set[int] = set()
+        for rec in records:
+            if rec.work is not None:
+                if id(rec.work) not in waited:
+                    rec.work.wait()
+                    waited.add(id(rec.work))
+                rec.work = None
 
     def _warn_floor(self) -> None:
         state = self._state
@@ -357,6 +416,7 @@ class GradScaler:
             rec.found_inf_per_device = self._unscale_grads_(opt, inv_scale, found_inf, allow_fp16=False)
             rec.found_inf_host = None
             rec.stage = OptState.UNSCALED
+        self._reduce_found_inf_(opts)
 
     def step(self, optimizer, *args, **kwargs):
         """Unscale if needed, then run ``optimizer.step(*args, **kwargs)`` unless gradients overflowed.
@@ -410,6 +470,8 @@ class GradScaler:
         if rec.stage is OptState.READY:
             found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
             rec.found_inf_per_device = self._unscale_grads_(optimizer, state.scale, found_inf, allow_fp16=True, check_only=True)
+            self._reduce_found_inf_([optimizer])
+        self._wait_reductions([rec])
         flags = [f.to(state.scale.device, non_blocking=True) for f in rec.found_inf_per_device.values()]
         found_inf = torch.stack(flags).sum() if flags else torch.zeros((), dtype=torch.float32, device=state.scale.device)
         # After an explicit unscale_() the gradients are true gradients: the optimizer must
@@ -459,6 +521,7 @@ class GradScaler:
                     raise ValueError(f"new_scale must be finite and > 0, got {new_scale!r}.")
             else:
                 raise TypeError(f"new_scale must be a float or a 1-element tensor, got {type(new_scale).__name__}.")
+        self._wait_reductions(self._records.values())
         found_infs = [
             f.to(state.scale.device, non_blocking=True)
             for rec in self._records.values()
@@ -696,15 +759,22 @@ class GradScaler:
             state["_init_hysteresis_tracker"] = sd["_hysteresis_tracker"]
             state["_init_skipped_steps"] = sd["_skipped_steps"]
             state["_state"] = None
+        if state.get("_process_group") not in (None, False):
+            # A ProcessGroup does not pickle and belongs to one run: the copy uses the default rule.
+            state["_process_group"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("_process_group", None)  # pickled before the argument existed
 
     # Compatibility with code written against torch's private helpers (e.g. FSDP's scaler).
     def _found_inf_per_device(self, optimizer) -> dict[torch.device, torch.Tensor]:
         rec = self._records.get(id(optimizer))
-        return {} if rec is None else rec.found_inf_per_device
+        if rec is None:
+            return {}
+        self._wait_reductions([rec])
+        return rec.found_inf_per_device
 
     def _check_inf_per_device(self, optimizer) -> dict[torch.device, torch.Tensor]:
         state = self._require_state("_check_inf_per_device")
