@@ -8,7 +8,9 @@ before any GPU run, what makes the memory-bound kernels fast (DESIGN.md facts 7-
 * full tiles use 16-byte global loads and stores (``ld.global.v4.b32``, also for 16-bit
   gradients, 8 values per access), so a warp moves 512 bytes per instruction;
 * ``ptxas -v`` reports no local-memory spills, and how many registers a thread uses;
-* the found_inf flag is stored once per program, after the loops, never per tile.
+* the found_inf flag is stored once per program, after the loops, never per tile;
+* with per-tensor flags (``PER_TENSOR``) the ``nonfinite`` store sits outside the tile loops
+  too, once per tensor segment.
 
 Usage::
 
@@ -67,7 +69,8 @@ class KernelSpec:
     num_warps: int | str  # value, or name of a module constant
     aligned: tuple = ()  # pointer arguments the launcher always passes 16-byte aligned
     flag_arg: str | None = None  # the found_inf pointer argument, if any
-    read_only: bool = False  # the kernel must store nothing but the flag
+    tensor_flag_arg: str | None = None  # the per-tensor nonfinite pointer argument, if any
+    read_only: bool = False  # the kernel must store nothing but the flags
 
 
 _UNSCALE_SIG = {
@@ -77,17 +80,30 @@ _UNSCALE_SIG = {
     "search_steps": "i32",
     "inv_scale_ptr": "*fp32",
     "found_inf_ptr": "*fp32",
+    "nonfinite_ptr": "*fp32",  # without per-tensor flags the launcher passes found_inf here
     "BLOCK": "constexpr",
     "STORE": "constexpr",
+    "PER_TENSOR": "constexpr",
 }
+_UNSCALE_ALIGNED = ("table_ptr", "inv_scale_ptr", "found_inf_ptr", "nonfinite_ptr")
+# With flags: the caller's int32 tensor, of unknown alignment (it is only indexed by slot).
+_UNSCALE_SIG_PER_TENSOR = {**_UNSCALE_SIG, "nonfinite_ptr": "*i32"}
+_UNSCALE_ALIGNED_PER_TENSOR = ("table_ptr", "inv_scale_ptr", "found_inf_ptr")
 
 KERNELS = (
     KernelSpec("unscale_check_", "unscale", "_unscale_check_kernel", _UNSCALE_SIG,
-               {"BLOCK": "_BLOCK", "STORE": True}, "_NUM_WARPS",
-               aligned=("table_ptr", "inv_scale_ptr", "found_inf_ptr"), flag_arg="found_inf_ptr"),
+               {"BLOCK": "_BLOCK", "STORE": True, "PER_TENSOR": False}, "_NUM_WARPS",
+               aligned=_UNSCALE_ALIGNED, flag_arg="found_inf_ptr", tensor_flag_arg="nonfinite_ptr"),
     KernelSpec("check_finite_", "unscale", "_unscale_check_kernel", _UNSCALE_SIG,
-               {"BLOCK": "_BLOCK", "STORE": False}, "_NUM_WARPS",
-               aligned=("table_ptr", "inv_scale_ptr", "found_inf_ptr"), flag_arg="found_inf_ptr", read_only=True),
+               {"BLOCK": "_BLOCK", "STORE": False, "PER_TENSOR": False}, "_NUM_WARPS",
+               aligned=_UNSCALE_ALIGNED, flag_arg="found_inf_ptr", tensor_flag_arg="nonfinite_ptr", read_only=True),
+    KernelSpec("unscale_check_+nonfinite", "unscale", "_unscale_check_kernel", _UNSCALE_SIG_PER_TENSOR,
+               {"BLOCK": "_BLOCK", "STORE": True, "PER_TENSOR": True}, "_NUM_WARPS",
+               aligned=_UNSCALE_ALIGNED_PER_TENSOR, flag_arg="found_inf_ptr", tensor_flag_arg="nonfinite_ptr"),
+    KernelSpec("check_finite_+nonfinite", "unscale", "_unscale_check_kernel", _UNSCALE_SIG_PER_TENSOR,
+               {"BLOCK": "_BLOCK", "STORE": False, "PER_TENSOR": True}, "_NUM_WARPS",
+               aligned=_UNSCALE_ALIGNED_PER_TENSOR, flag_arg="found_inf_ptr", tensor_flag_arg="nonfinite_ptr",
+               read_only=True),
     KernelSpec("update_scale_", "scale_update", "_update_scale_kernel",
                {"scale_ptr": "*fp32", "growth_tracker_ptr": "*i32", "found_inf_ptr": "*fp32",
                 "hysteresis_tracker_ptr": "*i32", "skipped_ptr": "*i64", "floor_hits_ptr": "*i64",
@@ -138,7 +154,9 @@ class KernelReport:
     ragged_stores: Accesses = field(default_factory=Accesses)
     flag_stores: int | None = None  # tt.store ops to the found_inf argument
     flag_stores_in_loops: int | None = None  # ... of which inside scf.for / scf.while
-    other_stores: int = 0  # tt.store ops to anything but the flag
+    tensor_flag_stores: int | None = None  # tt.store ops to the per-tensor nonfinite argument
+    tensor_flag_stores_in_tile_loops: int | None = None  # ... of which inside scf.for (the tile loops)
+    other_stores: int = 0  # tt.store ops to anything but the flags
     ptx_stores: int = 0  # st.global instructions in the PTX, all kinds
     ptxas_log: str = ""
 
@@ -158,6 +176,7 @@ class KernelReport:
 # --------------------------------------------------------------------------------------
 
 _LOC_DEF = re.compile(r"^(#loc\d*) = loc\((.*)\)\s*$")
+_ADDPTR = re.compile(r"^(%[\w#]+) = tt\.addptr (%[\w#]+),")
 _TT_MEM = re.compile(r"\btt\.(load|store) (.*?) : (.*?) loc\((#loc\d*|.*)\)\s*$")
 _ELEM_BYTES = {"f32": 4, "i32": 4, "f16": 2, "bf16": 2, "i16": 2, "f64": 8, "i64": 8, "i8": 1, "i1": 1}
 
@@ -180,13 +199,24 @@ def _resolve_loc(ref: str, defs: dict, depth: int = 0):
 
 
 def ttir_memory_ops(ttir: str) -> list[dict]:
-    """Every tt.load / tt.store: kind, pointer operand, tensor size, element type, masked,
+    """Every tt.load / tt.store: kind, pointer operand, the value it was offset from (``root``,
+    through ``tt.addptr``; e.g. a kernel argument), tensor size, element type, masked,
     enclosing region ops (``scf.for``, ``scf.while``, ``scf.if``, ...) and source (file, line)."""
-    defs = {}
+    defs, bases = {}, {}
     for line in ttir.splitlines():
         m = _LOC_DEF.match(line.strip())
         if m:
             defs[m.group(1)] = m.group(2)
+        m = _ADDPTR.match(line.strip())
+        if m:
+            bases[m.group(1)] = m.group(2)
+
+    def root(value: str) -> str:
+        for _ in range(64):  # SSA names are defined once, but stay bounded on odd input
+            if value not in bases:
+                break
+            value = bases[value]
+        return value
     ops, stack = [], []
     for line in ttir.splitlines():
         s = line.strip()
@@ -202,9 +232,11 @@ def ttir_memory_ops(ttir: str) -> list[dict]:
             n_operands = len([o for o in operands.split(",") if o.strip()])
             tm = re.match(r"tensor<(\d+)x!tt\.ptr<(\w+)>>", ty)
             sm = re.match(r"!tt\.ptr<(\w+)>", ty)
+            pointer = operands.split(",")[0].strip()
             ops.append({
                 "kind": kind,
-                "pointer": operands.split(",")[0].strip(),
+                "pointer": pointer,
+                "root": root(pointer),
                 "numel": int(tm.group(1)) if tm else 1,
                 "elem": tm.group(2) if tm else (sm.group(1) if sm else "?"),
                 "tensor": bool(tm),
@@ -359,13 +391,19 @@ def analyze(spec: KernelSpec, ttir: str, ptx: str, num_warps: int, target: str, 
             rep.full_stores, rep.ragged_stores = full, ragged
             rep.ptx_stores = len(px)
     stores = [o for o in tt_ops if o["kind"] == "store"]
+    rep.other_stores = len(stores)
     if spec.flag_arg:
         flag = [o for o in stores if o["pointer"] == f"%{spec.flag_arg}"]
         rep.flag_stores = len(flag)
         rep.flag_stores_in_loops = sum(1 for o in flag if {"scf.for", "scf.while"} & set(o["regions"]))
-        rep.other_stores = len(stores) - len(flag)
-    else:
-        rep.other_stores = len(stores)
+        rep.other_stores -= len(flag)
+    if spec.tensor_flag_arg:
+        # nonfinite[slot]: an addptr off the argument. Its place is the loop over tensors
+        # (scf.while); the tile loops are the scf.for ones.
+        per_tensor = [o for o in stores if o["root"] == f"%{spec.tensor_flag_arg}"]
+        rep.tensor_flag_stores = len(per_tensor)
+        rep.tensor_flag_stores_in_tile_loops = sum(1 for o in per_tensor if "scf.for" in o["regions"])
+        rep.other_stores -= len(per_tensor)
     return rep
 
 
@@ -409,7 +447,7 @@ def _pct(x) -> str:
 
 def markdown(reports: list[KernelReport]) -> str:
     head = ["kernel", "target", "warps", "registers", "spill st/ld (B)", "stack (B)", "full-tile loads",
-            "full-tile stores", "16-byte share ld/st", "ragged-tile loads", "found_inf stores"]
+            "full-tile stores", "16-byte share ld/st", "ragged-tile loads", "found_inf stores", "nonfinite stores"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in reports:
         out.append("| " + " | ".join([
@@ -417,6 +455,8 @@ def markdown(reports: list[KernelReport]) -> str:
             str(r.stack_frame), r.full_loads.describe(), r.full_stores.describe(),
             f"{_pct(r.full_loads.vector_share)}/{_pct(r.full_stores.vector_share)}", r.ragged_loads.describe(),
             "-" if r.flag_stores is None else f"{r.flag_stores} ({r.flag_stores_in_loops} in loops)",
+            "-" if r.tensor_flag_stores is None
+            else f"{r.tensor_flag_stores} ({r.tensor_flag_stores_in_tile_loops} in tile loops)",
         ]) + " |")
     return "\n".join(out)
 

@@ -11,22 +11,37 @@ Two public entry points (re-exported by ``dispatch_amp.kernels``):
 Note: how one launch covers every gradient
 -----------------------------------------
 The launcher describes the gradients in one int64 table that lives on the device, laid
-out as four columns back to back::
+out as five columns back to back::
 
-    [ addr_0 .. addr_{n-1} | numel_0 .. | first_tile_0 .. first_tile_{n-1}, total_tiles | dtype_0 .. ]
+    [ addr_0 .. addr_{n-1} | numel_0 .. | first_tile_0 .. first_tile_{n-1}, total_tiles | dtype_0 .. | slot_0 .. ]
 
 ``first_tile`` is the running count of ``BLOCK``-element tiles, so tile ``t`` of the whole
 set belongs to the tensor ``i`` with ``first_tile[i] <= t < first_tile[i + 1]``. The grid
 is persistent: program ``p`` owns the contiguous tile range ``[p * T, (p + 1) * T)``, finds
 the tensor holding its first tile by binary search in the table, then walks forward. A
 program therefore touches only the tensors its tiles lie in, whatever the tensor count,
-and the kernel takes six arguments however many gradients there are.
+and the kernel takes seven arguments however many gradients there are.
+
+``slot`` is the row's index in the caller's ``grads`` list. The launcher hands the kernel
+only the gradients it can take (the rest go to the torch path), so row ``i`` is not
+necessarily ``grads[i]``; the optional per-tensor flags are written to ``nonfinite[slot]``.
 
 The table is rebuilt and re-uploaded only when the gradient set changes: it is cached
-under the key (device, data_ptr, numel, dtype of every gradient). Optimizers keep their
-``.grad`` tensors across steps (``zero_grad(set_to_none=False)``, or the caching
+under the key (device, and data_ptr, numel, dtype and slot of every row). Optimizers keep
+their ``.grad`` tensors across steps (``zero_grad(set_to_none=False)``, or the caching
 allocator handing back the same blocks), so in steady state the launch costs one table
 lookup on the host.
+
+Note: per-tensor flags
+----------------------
+With ``nonfinite`` given, entry ``k`` is raised to 1 when ``grads[k]`` held an inf or nan.
+The Triton kernel gets them from the same pass: each program keeps its hits per tensor
+segment while it walks that tensor's tiles and, after the segment, stores 1 into
+``nonfinite[slot]`` if there was a hit (a program whose range splits a tensor stores for
+its part; two programs storing the same 1 is harmless). The ``PER_TENSOR`` constexpr
+compiles that in only when asked, so without flags the kernel is the same as before.
+torch's fused op has only the one ``found_inf``, so the torch path needs one extra read
+of each gradient it handles (:func:`uses_triton` tells callers which path they get).
 
 Mixed dtypes share the launch: the dtype column selects the pointer type at run time, and
 all math is fp32 (16-bit values are widened right after the load). bf16 is loaded and
@@ -51,7 +66,7 @@ except ImportError:  # pragma: no cover - exercised only on machines without tri
     triton = None
     tl = None
 
-__all__ = ["unscale_check_", "check_finite_", "unscale_check_reference", "BACKENDS"]
+__all__ = ["unscale_check_", "check_finite_", "unscale_check_reference", "uses_triton", "BACKENDS"]
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -158,14 +173,17 @@ if triton is not None:
         search_steps,  # ceil(log2(n_tensors)) + 1 binary-search iterations
         inv_scale_ptr,  # fp32 scalar multiplier (ignored when STORE is False)
         found_inf_ptr,  # fp32 scalar flag, set to 1.0 on any inf/nan, never cleared
+        nonfinite_ptr,  # int32 per-tensor flags indexed by slot (ignored when PER_TENSOR is False)
         BLOCK: tl.constexpr,
         STORE: tl.constexpr,
+        PER_TENSOR: tl.constexpr,  # also flag each tensor, see "Note: per-tensor flags"
     ):
         pid = tl.program_id(0).to(tl.int64)
         addr_col = table_ptr
         numel_col = table_ptr + n_tensors
         first_col = table_ptr + 2 * n_tensors  # n_tensors + 1 entries
         dtype_col = table_ptr + 3 * n_tensors + 1
+        slot_col = table_ptr + 4 * n_tensors + 1
 
         total_tiles = tl.load(first_col + n_tensors)
         t0 = pid * tiles_per_program
@@ -185,7 +203,10 @@ if triton is not None:
         else:
             inv = 1.0
         offs = tl.arange(0, BLOCK)
-        bad = tl.zeros([BLOCK], dtype=tl.int32)
+        # Hits are kept as a [BLOCK] vector across tiles and reduced only after the tile
+        # loops: a reduction per tile would be a cross-warp exchange per tile.
+        bad = tl.zeros([BLOCK], dtype=tl.int32)  # without PER_TENSOR: the whole program's hits
+        any_bad = tl.zeros((), dtype=tl.int32)  # with PER_TENSOR: the segments' reduced hits
         i = lo
         t = t0
         while t < t1:
@@ -196,19 +217,38 @@ if triton is not None:
             code = tl.load(dtype_col + i)
             a = t - first
             b = tl.minimum(t1, end) - first
+            if PER_TENSOR:
+                # A fresh accumulator per tensor segment takes the place of the program-wide
+                # one, so the tile loops carry no more registers than without flags.
+                hits = tl.zeros([BLOCK], dtype=tl.int32)
+            else:
+                hits = bad
             # The launcher sends only 16-byte-aligned gradients; saying so on the typed pointer
             # (an address loaded from the table is otherwise of unknown alignment) lets full
             # tiles use 16-byte accesses. It must be stated here: a hint on a helper's argument is lost.
             if code == 0:
-                bad = _tiles(tl.multiple_of(addr.to(tl.pointer_type(tl.float32)), 16), numel, a, b, inv, offs, bad, BLOCK, STORE, False)
+                hits = _tiles(tl.multiple_of(addr.to(tl.pointer_type(tl.float32)), 16), numel, a, b, inv, offs, hits, BLOCK, STORE, False)
             elif code == 1:
-                bad = _tiles(tl.multiple_of(addr.to(tl.pointer_type(tl.float16)), 16), numel, a, b, inv, offs, bad, BLOCK, STORE, False)
+                hits = _tiles(tl.multiple_of(addr.to(tl.pointer_type(tl.float16)), 16), numel, a, b, inv, offs, hits, BLOCK, STORE, False)
             else:
-                bad = _tiles(tl.multiple_of(addr.to(tl.pointer_type(tl.uint16)), 16), numel, a, b, inv, offs, bad, BLOCK, STORE, True)
+                hits = _tiles(tl.multiple_of(addr.to(tl.pointer_type(tl.uint16)), 16), numel, a, b, inv, offs, hits, BLOCK, STORE, True)
+            if PER_TENSOR:
+                # One reduction and at most one store per (program, tensor), only on a hit,
+                # so a flag raised earlier is never cleared. A masked store rather than an
+                # `if`: around a branch, ptxas (triton 3.9) spilled for check_finite_ on sm_90.
+                seg_bad = tl.max(hits, axis=0)
+                tl.store(nonfinite_ptr + tl.load(slot_col + i), 1, mask=seg_bad > 0)
+                any_bad = any_bad | seg_bad
+            else:
+                bad = hits
             t = first + b
             i += 1
+        if PER_TENSOR:
+            prog_bad = any_bad
+        else:
+            prog_bad = tl.max(bad, axis=0)
         # One store per program, and only on a hit, so an earlier 1.0 is never cleared.
-        if tl.max(bad, axis=0) > 0:
+        if prog_bad > 0:
             tl.store(found_inf_ptr, 1.0)
 
 
@@ -217,7 +257,7 @@ class _Table:
 
     __slots__ = ("table", "host", "n_tensors", "total_tiles", "search_steps")
 
-    def __init__(self, grads: Sequence[torch.Tensor], device: torch.device) -> None:
+    def __init__(self, grads: Sequence[torch.Tensor], slots: Sequence[int], device: torch.device) -> None:
         n = len(grads)
         addrs, numels, firsts, codes = [], [], [], []
         tiles = 0
@@ -228,7 +268,7 @@ class _Table:
             firsts.append(tiles)
             tiles += -(-g.numel() // _BLOCK)
         firsts.append(tiles)
-        host = torch.tensor(addrs + numels + firsts + codes, dtype=torch.int64)
+        host = torch.tensor(addrs + numels + firsts + codes + list(slots), dtype=torch.int64)
         if device.type == "cpu":
             self.table = host
         else:
@@ -245,11 +285,13 @@ class _Table:
 _table_cache: OrderedDict[tuple, _Table] = OrderedDict()
 
 
-def _get_table(grads: Sequence[torch.Tensor], device: torch.device) -> _Table:
-    key = (device, tuple((g.data_ptr(), g.numel(), g.dtype) for g in grads))
+def _get_table(grads: Sequence[torch.Tensor], slots: Sequence[int], device: torch.device) -> _Table:
+    # The slot is part of the key: the same tensors at other positions of the caller's list
+    # (another gradient moved to the torch path, say) need another slot column.
+    key = (device, tuple((g.data_ptr(), g.numel(), g.dtype, k) for g, k in zip(grads, slots)))
     entry = _table_cache.get(key)
     if entry is None:
-        entry = _Table(grads, device)
+        entry = _Table(grads, slots, device)
         _table_cache[key] = entry
         if len(_table_cache) > _TABLE_CACHE_SIZE:
             _table_cache.popitem(last=False)
@@ -299,9 +341,9 @@ def _triton_can_take(g: torch.Tensor) -> bool:
     return g.dtype in _TRITON_DTYPE_CODES and g.numel() > 0 and _is_dense(g) and g.data_ptr() % 16 == 0
 
 
-def _launch_triton(grads, inv_scale, found_inf, store: bool, num_programs: int | None) -> None:
+def _launch_triton(grads, slots, inv_scale, found_inf, nonfinite, store: bool, num_programs: int | None) -> None:
     device = found_inf.device
-    entry = _get_table(grads, device)
+    entry = _get_table(grads, slots, device)
     if entry.total_tiles == 0:
         return
     programs = num_programs or _num_programs(entry.total_tiles, device)
@@ -315,8 +357,10 @@ def _launch_triton(grads, inv_scale, found_inf, store: bool, num_programs: int |
         entry.search_steps,
         inv_scale if store else found_inf,
         found_inf,
+        found_inf if nonfinite is None else nonfinite,  # a pointer the kernel ignores without PER_TENSOR
         BLOCK=_BLOCK,
         STORE=store,
+        PER_TENSOR=nonfinite is not None,
         num_warps=_NUM_WARPS,
     )
 
@@ -335,24 +379,35 @@ def _has_fused_op(device: torch.device, dtype: torch.dtype) -> bool:
     return False
 
 
-def unscale_check_reference(grads: Sequence[torch.Tensor], inv_scale: torch.Tensor, found_inf: torch.Tensor, store: bool = True) -> None:
+def unscale_check_reference(
+    grads: Sequence[torch.Tensor],
+    inv_scale: torch.Tensor,
+    found_inf: torch.Tensor,
+    store: bool = True,
+    *,
+    nonfinite: torch.Tensor | None = None,
+) -> None:
     """Plain-torch unscale + check: runs on any device, and is the fallback where no fused op exists.
 
     Multiplies in fp32 (fp64 for fp64 gradients) and rounds once, like the fused op,
-    and never reads a value back to the host.
+    and never reads a value back to the host. ``nonfinite`` (optional, int32, one entry per
+    gradient) gets 1 where that gradient held an inf or nan, as in :func:`unscale_check_`;
+    it is not validated here.
 
     Example::
 
-        >>> g = [torch.tensor([2.0, float("inf")])]
-        >>> found = torch.zeros(())
-        >>> unscale_check_reference(g, torch.tensor(0.5), found)
-        >>> g[0].tolist(), found.item()
-        ([1.0, inf], 1.0)
+        >>> g = [torch.tensor([2.0, float("inf")]), torch.ones(2)]
+        >>> found, per = torch.zeros(()), torch.zeros(2, dtype=torch.int32)
+        >>> unscale_check_reference(g, torch.tensor(0.5), found, nonfinite=per)
+        >>> g[0].tolist(), found.item(), per.tolist()
+        ([1.0, inf], 1.0, [1, 0])
     """
     if not grads:
         return
     with torch.no_grad():
-        flags = torch.stack([torch.isfinite(g).logical_not().any() for g in grads]).any()
+        # Checked before the multiply: a finite value can overflow to inf when scaled up.
+        per_tensor = torch.stack([torch.isfinite(g).logical_not().any() for g in grads])
+        flags = per_tensor.any()
         if store:
             for g in grads:
                 if g.dtype == torch.float64:
@@ -364,9 +419,37 @@ def unscale_check_reference(grads: Sequence[torch.Tensor], inv_scale: torch.Tens
                     # widen explicitly so the product is rounded once, as the fused op does.
                     g.copy_(g.float() * inv_scale)
         found_inf.masked_fill_(flags.to(found_inf.device), 1.0)
+        if nonfinite is not None:
+            nonfinite.masked_fill_(per_tensor.to(nonfinite.device), 1)
 
 
-def _torch_path(grads, inv_scale, found_inf, store: bool) -> None:
+def _mark_nonfinite_(grads, slots, nonfinite: torch.Tensor) -> None:
+    """Set ``nonfinite[slots[j]]`` to 1 where ``grads[j]`` holds an inf or nan; no host sync.
+
+    ``slots`` None means ``grads`` is the caller's whole list, in order. The torch path's
+    per-tensor flags: torch's fused op reports one flag for the whole list, so this is an
+    extra read of every gradient given, the reason ``nonfinite`` is optional and
+    :func:`uses_triton` tells callers when the flags come for free instead.
+    """
+    # min and max are both finite exactly when every value is: nan propagates into both,
+    # +inf becomes the max, -inf the min. aminmax reads each gradient once and, unlike
+    # isfinite(g).all(), allocates no full-size temporary. It rejects empty tensors, which
+    # hold no inf/nan: a finite stand-in takes their place.
+    zero = torch.zeros((), dtype=torch.float32, device=nonfinite.device)
+    extremes = [v for g in grads for v in (torch.aminmax(g) if g.numel() else (zero, zero))]
+    # stack promotes to the widest dtype, so no finite fp64 extreme overflows on the way.
+    hit = torch.isfinite(torch.stack(extremes)).view(-1, 2).all(dim=1).logical_not_()
+    if slots is None:
+        nonfinite.masked_fill_(hit, 1)
+    else:  # the few gradients the Triton kernel could not take: one small write each
+        for j, k in enumerate(slots):
+            nonfinite[k : k + 1].masked_fill_(hit[j : j + 1], 1)
+
+
+def _torch_path(grads, slots, inv_scale, found_inf, nonfinite, store: bool) -> None:
+    if nonfinite is not None:
+        # Before the unscale below: the flags are about the values as they came in.
+        _mark_nonfinite_(grads, slots, nonfinite)
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
     for g in grads:
         groups.setdefault(g.dtype, []).append(g)
@@ -394,7 +477,7 @@ def _one_like(found_inf: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------
 
 
-def _validate(grads, inv_scale, found_inf, backend: str, name: str) -> list[torch.Tensor]:
+def _validate(grads, inv_scale, found_inf, nonfinite, backend: str, name: str, per_grad: bool = True) -> list[torch.Tensor]:
     if backend not in BACKENDS:
         raise ValueError(f"{name}: backend must be one of {BACKENDS}, got {backend!r}.")
     if not isinstance(found_inf, torch.Tensor) or found_inf.numel() != 1 or found_inf.dtype != torch.float32:
@@ -407,7 +490,7 @@ def _validate(grads, inv_scale, found_inf, backend: str, name: str) -> list[torc
     if isinstance(grads, torch.Tensor) or not isinstance(grads, Sequence):
         raise TypeError(f"{name}: grads must be a list or tuple of tensors, got {type(grads).__name__}.")
     grads = list(grads)
-    for k, g in enumerate(grads):
+    for k, g in enumerate(grads if per_grad else ()):
         if not isinstance(g, torch.Tensor):
             raise TypeError(f"{name}: grads[{k}] is a {type(g).__name__}, not a tensor.")
         if not g.is_floating_point():
@@ -416,7 +499,24 @@ def _validate(grads, inv_scale, found_inf, backend: str, name: str) -> list[torc
             raise ValueError(f"{name}: grads[{k}] is on {g.device} but found_inf is on {found_inf.device}; group gradients by device.")
         if g.is_sparse:
             raise TypeError(f"{name}: grads[{k}] is sparse; pass its coalesced ._values() instead.")
+    if nonfinite is not None:
+        _validate_nonfinite(nonfinite, len(grads), found_inf.device, name)
     return grads
+
+
+def _validate_nonfinite(nonfinite, n: int, device: torch.device, name: str) -> None:
+    fix = f"allocate it as torch.zeros({n}, dtype=torch.int32, device=found_inf.device)"
+    if not isinstance(nonfinite, torch.Tensor):
+        raise TypeError(f"{name}: nonfinite must be a tensor or None, got {type(nonfinite).__name__}; {fix}.")
+    if nonfinite.dtype != torch.int32:
+        raise TypeError(f"{name}: nonfinite has dtype {nonfinite.dtype}, it must be torch.int32; {fix}.")
+    if nonfinite.dim() != 1 or nonfinite.shape[0] != n:
+        raise ValueError(f"{name}: nonfinite has shape {tuple(nonfinite.shape)}, it must be ({n},): one flag per gradient; {fix}.")
+    if nonfinite.device != device:
+        raise ValueError(f"{name}: nonfinite is on {nonfinite.device} but found_inf is on {device}; {fix}.")
+    if not nonfinite.is_contiguous():
+        # The kernel writes nonfinite_ptr + k; a strided view would get the flags in the wrong places.
+        raise ValueError(f"{name}: nonfinite must be contiguous (its stride is {nonfinite.stride()}); {fix}.")
 
 
 def _use_triton(backend: str, device: torch.device, name: str) -> bool:
@@ -437,22 +537,43 @@ def _use_triton(backend: str, device: torch.device, name: str) -> bool:
     return True
 
 
-def _dispatch(grads, inv_scale, found_inf, backend, store, name, num_programs) -> None:
-    grads = _validate(grads, inv_scale, found_inf, backend, name)
+def uses_triton(device: torch.device | str, backend: str = "auto") -> bool:
+    """True when :func:`unscale_check_` and :func:`check_finite_` launch the Triton kernel for
+    gradients on ``device`` with ``backend``.
+
+    Callers use it to decide whether to ask for per-tensor flags (``nonfinite=``): the
+    kernel gets them in the same pass, while the torch path needs an extra read of every
+    gradient. Even on the Triton path, gradients the kernel cannot take (fp64, gappy
+    layouts, views not 16-byte aligned) are flagged by that extra read. Raises, like the
+    launchers, for ``backend="triton"`` where it cannot run.
+
+    Example::
+
+        >>> uses_triton(torch.device("cpu"))  # "auto" keeps CPU gradients on torch's fused op
+        False
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"uses_triton: backend must be one of {BACKENDS}, got {backend!r}.")
+    return _use_triton(backend, torch.device(device), "uses_triton")
+
+
+def _dispatch(grads, inv_scale, found_inf, nonfinite, backend, store, name, num_programs, validated=False) -> None:
+    grads = _validate(grads, inv_scale, found_inf, nonfinite, backend, name, per_grad=not validated)
     if not grads:
         return
     if store and inv_scale is None:
         raise TypeError(f"{name}: inv_scale is required.")
     with torch.no_grad():
         if _use_triton(backend, found_inf.device, name):
-            fast = [g for g in grads if _triton_can_take(g)]
-            rest = [g for g in grads if not _triton_can_take(g)]
+            # Slots: positions in the caller's list, where each gradient's flag goes.
+            fast = [k for k, g in enumerate(grads) if _triton_can_take(g)]
+            rest = [k for k, g in enumerate(grads) if not _triton_can_take(g)]
             if fast:
-                _launch_triton(fast, inv_scale, found_inf, store, num_programs)
+                _launch_triton([grads[k] for k in fast], fast, inv_scale, found_inf, nonfinite, store, num_programs)
             if rest:  # fp64, gappy layouts, views not 16-byte aligned
-                _torch_path(rest, inv_scale, found_inf, store)
+                _torch_path([grads[k] for k in rest], rest, inv_scale, found_inf, nonfinite, store)
         else:
-            _torch_path(grads, inv_scale, found_inf, store)
+            _torch_path(grads, None, inv_scale, found_inf, nonfinite, store)
 
 
 def unscale_check_(
@@ -461,7 +582,9 @@ def unscale_check_(
     found_inf: torch.Tensor,
     backend: str = "auto",
     *,
+    nonfinite: torch.Tensor | None = None,
     _num_programs: int | None = None,
+    _grads_validated: bool = False,
 ) -> None:
     """Multiply every gradient by ``inv_scale`` in place; set ``found_inf`` to 1.0 on any inf/nan.
 
@@ -475,15 +598,23 @@ def unscale_check_(
     ``TRITON_INTERPRET=1``) or ``"torch"`` (torch's fused op where the device has it for the
     dtype, else a plain-torch fallback).
 
+    ``nonfinite``: optional int32 tensor of shape ``(len(grads),)`` on ``found_inf``'s
+    device. Entry ``k`` is set to 1 when ``grads[k]`` held an inf or nan (before scaling,
+    like ``found_inf``); other entries are left as they are, none is ever cleared. The
+    Triton kernel gets these flags in the same pass; the torch path reads every gradient
+    once more for them, so pass it there only when needed (see :func:`uses_triton`).
+
     Example::
 
         >>> grads = [torch.full((3,), 4.0), torch.tensor([1.0, float("nan")], dtype=torch.bfloat16)]
-        >>> found_inf = torch.zeros(())
-        >>> unscale_check_(grads, torch.tensor(0.25), found_inf)
-        >>> grads[0].tolist(), found_inf.item()
-        ([1.0, 1.0, 1.0], 1.0)
+        >>> found_inf, per_tensor = torch.zeros(()), torch.zeros(2, dtype=torch.int32)
+        >>> unscale_check_(grads, torch.tensor(0.25), found_inf, nonfinite=per_tensor)
+        >>> grads[0].tolist(), found_inf.item(), per_tensor.tolist()
+        ([1.0, 1.0, 1.0], 1.0, [0, 1])
     """
-    _dispatch(grads, inv_scale, found_inf, backend, True, "unscale_check_", _num_programs)
+    # _grads_validated: the caller (GradScaler) guarantees dense floating tensors on
+    # found_inf's device, so the per-gradient checks (about 1 us each on CPU) are skipped.
+    _dispatch(grads, inv_scale, found_inf, nonfinite, backend, True, "unscale_check_", _num_programs, _grads_validated)
 
 
 def check_finite_(
@@ -491,7 +622,9 @@ def check_finite_(
     found_inf: torch.Tensor,
     backend: str = "auto",
     *,
+    nonfinite: torch.Tensor | None = None,
     _num_programs: int | None = None,
+    _grads_validated: bool = False,
 ) -> None:
     """Set ``found_inf`` to 1.0 if any gradient holds an inf or nan; gradients are not modified.
 
@@ -500,11 +633,13 @@ def check_finite_(
     stores to the gradients at all; torch's fused op, used by the torch backend where
     available, rewrites each value unchanged. Never synchronizes.
 
+    ``nonfinite``: optional per-tensor flags, as in :func:`unscale_check_`.
+
     Example::
 
-        >>> found_inf = torch.zeros(())
-        >>> check_finite_([torch.tensor([1.0, float("-inf")])], found_inf)
-        >>> found_inf.item()
-        1.0
+        >>> found_inf, per_tensor = torch.zeros(()), torch.zeros(2, dtype=torch.int32)
+        >>> check_finite_([torch.ones(3), torch.tensor([1.0, float("-inf")])], found_inf, nonfinite=per_tensor)
+        >>> found_inf.item(), per_tensor.tolist()
+        (1.0, [0, 1])
     """
-    _dispatch(grads, None, found_inf, backend, False, "check_finite_", _num_programs)
+    _dispatch(grads, None, found_inf, nonfinite, backend, False, "check_finite_", _num_programs, _grads_validated)

@@ -5,7 +5,9 @@ compiles the real kernels from kernels/*.py, runs the ptxas that ships with trit
 classifies the PTX global accesses (see its module note). These tests pin down what makes
 the unscale/check kernels bandwidth-bound on a real GPU (DESIGN.md facts 7-9): 16-byte
 loads and stores on full tiles for fp32 and 16-bit gradients, no local-memory spills, one
-found_inf store per program. Nothing is launched.
+found_inf store per program; with per-tensor flags (the ``+nonfinite`` builds, PER_TENSOR=True)
+the same, plus one nonfinite store per tensor segment outside the tile loops, and none at
+all without them. Nothing is launched.
 """
 
 from __future__ import annotations
@@ -18,10 +20,14 @@ pytest.importorskip("triton.backends.nvidia.compiler")
 from dispatch_amp.kernels import inspect_ptx  # noqa: E402
 from dispatch_amp.kernels.inspect_ptx import TARGETS, inspect_in_subprocess  # noqa: E402
 
-TILE_KERNELS = ("unscale_check_", "check_finite_")
+TILE_KERNELS = ("unscale_check_", "check_finite_", "unscale_check_+nonfinite", "check_finite_+nonfinite")
+STORE_KERNELS = ("unscale_check_", "unscale_check_+nonfinite")
+READ_ONLY_KERNELS = ("check_finite_", "check_finite_+nonfinite")
 ALL_KERNELS = tuple(spec.name for spec in inspect_ptx.KERNELS)
 CASES = [(k, cc) for k in ALL_KERNELS for cc in TARGETS]
 TILE_CASES = [(k, cc) for k in TILE_KERNELS for cc in TARGETS]
+STORE_CASES = [(k, cc) for k in STORE_KERNELS for cc in TARGETS]
+READ_ONLY_CASES = [(k, cc) for k in READ_ONLY_KERNELS for cc in TARGETS]
 
 
 def _id(case):
@@ -59,9 +65,9 @@ def test_full_tiles_use_16_byte_loads(reports, case):
     assert acc.vector_share == 1.0, f"{r.kernel} {r.target}: full-tile loads are {acc.describe()}. {VECTORIZE_HINT}"
 
 
-@pytest.mark.parametrize("target", TARGETS, ids=lambda cc: f"sm_{cc}")
-def test_full_tiles_use_16_byte_stores(reports, target):
-    r = reports[("unscale_check_", target)]
+@pytest.mark.parametrize("case", STORE_CASES, ids=_id)
+def test_full_tiles_use_16_byte_stores(reports, case):
+    r = reports[case]
     acc = r.full_stores
     assert sorted(acc.elem_types) == ["f16", "f32", "i16"], acc.elem_types
     assert acc.bytes == acc.expected_bytes, (acc.describe(), acc.expected_bytes)
@@ -83,10 +89,24 @@ def test_found_inf_stored_once_per_program(reports, case):
     assert r.flag_stores_in_loops == 0, f"{r.kernel} {r.target}: the found_inf store sits in a loop (once per tile?)"
 
 
-@pytest.mark.parametrize("target", TARGETS, ids=lambda cc: f"sm_{cc}")
-def test_check_finite_stores_only_the_flag(reports, target):
-    r = reports[("check_finite_", target)]
-    assert r.other_stores == 0 and r.ptx_stores == 1, (r.other_stores, r.ptx_stores, r.full_stores.describe())
+@pytest.mark.parametrize("case", TILE_CASES, ids=_id)
+def test_nonfinite_stored_per_tensor_segment_only_when_asked(reports, case):
+    r = reports[case]
+    if r.kernel.endswith("+nonfinite"):
+        assert r.tensor_flag_stores == 1, f"{r.kernel} {r.target}: {r.tensor_flag_stores} stores to nonfinite in the Triton IR"
+        assert r.tensor_flag_stores_in_tile_loops == 0, (
+            f"{r.kernel} {r.target}: the nonfinite store sits in a tile loop; it belongs after a tensor's tiles (once per segment)"
+        )
+    else:
+        # PER_TENSOR=False must compile to the kernel without flags: nothing touches nonfinite_ptr.
+        assert r.tensor_flag_stores == 0, f"{r.kernel} {r.target}: stores to nonfinite although PER_TENSOR is False"
+
+
+@pytest.mark.parametrize("case", READ_ONLY_CASES, ids=_id)
+def test_check_finite_stores_only_the_flags(reports, case):
+    r = reports[case]
+    flags = 1 + r.tensor_flag_stores  # found_inf, and nonfinite in the +nonfinite build
+    assert r.other_stores == 0 and r.ptx_stores == flags, (r.other_stores, r.ptx_stores, r.full_stores.describe())
 
 
 # -- the text parsers, on small hand-written inputs ----------------------------------------------
@@ -147,3 +167,18 @@ module {
     ]
     assert "scf.for" in ops[0]["regions"] and "scf.for" not in ops[2]["regions"]
     assert ops[2]["regions"][-1] == "scf.if" and ops[2]["pointer"] == "%flag"
+
+
+def test_ttir_memory_ops_follow_addptr_to_the_argument():
+    ttir = """module {
+  tt.func public @k(%flags: !tt.ptr<i32> loc("flags"(#loc)), %slot: i64 loc("slot"(#loc))) {
+    %0 = tt.addptr %flags, %slot : !tt.ptr<i32>, i64 loc(#loc)
+    %1 = tt.addptr %0, %slot : !tt.ptr<i32>, i64 loc(#loc)
+    tt.store %1, %c1_i32, %m : !tt.ptr<i32> loc(#loc)
+    tt.store %other, %c1_i32 : !tt.ptr<i32> loc(#loc)
+    tt.return loc(#loc)
+  } loc(#loc)
+} loc(#loc)
+"""
+    ops = inspect_ptx.ttir_memory_ops(ttir)
+    assert [(o["pointer"], o["root"], o["masked"]) for o in ops] == [("%1", "%flags", True), ("%other", "%other", False)]
