@@ -10,7 +10,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 # Timing varies too much on shared machines for deadlines; CI replays the same examples.
 settings.register_profile(
@@ -22,3 +24,47 @@ settings.register_profile(
 )
 settings.register_profile("dev", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts host reads: every .item()/bool() on a tensor reaches aten._local_scalar_dense,
+    and every Tensor.tolist() (which reads memory directly, below the dispatcher) is counted
+    by a wrapper installed while the counter is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __enter__(self):
+        self._tolist = torch.Tensor.tolist
+        counter, tolist = self, self._tolist
+
+        def counted_tolist(t):
+            counter.count += 1
+            return tolist(t)
+
+        torch.Tensor.tolist = counted_tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def sync_counter():
+    """The SyncCounter class: ``with sync_counter() as c: ...`` then ``c.count``."""
+    return SyncCounter
+
+
+@pytest.fixture
+def triton_interpreter_available() -> bool:
+    """Whether Triton kernels can run here (installed, and interpreted when there is no GPU)."""
+    from dispatch_amp.kernels import unscale
+
+    return unscale.triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")

@@ -159,12 +159,31 @@ def all_results(run: dict) -> list:
 # ------------------------------------------------------------------------------------------
 
 
+# conftest.py has the same counter as a fixture; the spawned ranks import this module by
+# name and cannot reach conftest, so the workers keep their own copy.
 class SyncCounter(TorchDispatchMode):
-    """Counts host syncs: every .item()/bool() on a tensor reaches aten._local_scalar_dense."""
+    """Counts host reads: every .item()/bool() on a tensor reaches aten._local_scalar_dense,
+    and every Tensor.tolist() (which reads memory directly, below the dispatcher) is counted
+    by a wrapper installed while the counter is active."""
 
     def __init__(self):
         super().__init__()
         self.count = 0
+
+    def __enter__(self):
+        self._tolist = torch.Tensor.tolist
+        counter, tolist = self, self._tolist
+
+        def counted_tolist(t):
+            counter.count += 1
+            return tolist(t)
+
+        torch.Tensor.tolist = counted_tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default:

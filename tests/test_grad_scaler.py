@@ -9,7 +9,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import dispatch_amp as amp
 from dispatch_amp import GradScaler, OptState
@@ -22,19 +21,6 @@ OPTIMIZERS = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01),
     "fused_adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01, fused=True),
 }
-
-
-class SyncCounter(TorchDispatchMode):
-    """Counts host syncs: every .item()/bool() on a tensor reaches aten._local_scalar_dense."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def make_model(seed=0):
@@ -188,7 +174,7 @@ def test_each_optimizer_skips_on_its_own_overflow():
 # ------------------------------------------------------------------------------------------
 
 
-def syncs_per_step(kind, n_opts, pre_unscale, steps=3):
+def syncs_per_step(sync_counter, kind, n_opts, pre_unscale, steps=3):
     model = make_model()
     opts = make_opts(model, kind, n_opts)
     scaler = GradScaler("cpu")
@@ -197,7 +183,7 @@ def syncs_per_step(kind, n_opts, pre_unscale, steps=3):
         for opt in opts:
             opt.zero_grad()
         loss = model(torch.randn(4, 6)).pow(2).mean()
-        with SyncCounter() as counter:
+        with sync_counter() as counter:
             scaler.scale(loss).backward()
             if pre_unscale:
                 scaler.unscale_(*opts)
@@ -218,8 +204,8 @@ def syncs_per_step(kind, n_opts, pre_unscale, steps=3):
         ("fused_adamw", 2, False, 0),
     ],
 )
-def test_host_syncs_per_step(kind, n_opts, pre_unscale, expected):
-    assert syncs_per_step(kind, n_opts, pre_unscale) == [expected] * 3
+def test_host_syncs_per_step(sync_counter, kind, n_opts, pre_unscale, expected):
+    assert syncs_per_step(sync_counter, kind, n_opts, pre_unscale) == [expected] * 3
 
 
 # ------------------------------------------------------------------------------------------

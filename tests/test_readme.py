@@ -24,11 +24,24 @@ def test_ci_runs_readmes_test_command():
     assert _readme_commands()[1] in ci.splitlines()
 
 
-def test_readme_example_script_runs():
-    script = _readme_commands()[0].split("&&")[-1].split()
-    assert script[:1] == ["python"]
+def test_readme_run_command_runs(tmp_path):
+    # The demo, shortened: the full run takes about a minute.
+    command = _readme_commands()[0].split("&&")[-1].split()
+    assert command[:1] == ["python"]
     out = subprocess.run(
-        [sys.executable, *script[1:]], cwd=ROOT, capture_output=True, text=True, timeout=300
+        [sys.executable, *command[1:], "--steps", "3", "--batch", "4", "--seq", "32",
+         "--plot", str(tmp_path / "demo.png")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "| dispatch_amp |" in out.stdout
+    assert (tmp_path / "demo.png").stat().st_size > 0
+
+
+def test_quickstart_example_runs():
+    out = subprocess.run(
+        [sys.executable, "examples/quickstart.py"], cwd=ROOT, capture_output=True, text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr
     assert "dispatch_amp.autocast" in out.stdout

@@ -28,6 +28,10 @@ __all__ = [
     "master_params",
     "loss_scalers",
     "OptLevelProperties",
+    "AmpNumericsWarning",
+    "OverflowReport",
+    "NonFiniteGradient",
+    "plot_training",
 ]
 
 from .autocast import autocast, get_autocast_dtype, is_autocast_enabled  # noqa: E402
@@ -35,6 +39,8 @@ from .policy import Policy  # noqa: E402
 from .checkpoint import checkpoint  # noqa: E402
 from .custom_function import custom_bwd, custom_fwd  # noqa: E402
 from .grad_scaler import GradScaler, OptState  # noqa: E402
+from .scaler_diagnostics import AmpNumericsWarning, NonFiniteGradient, OverflowReport  # noqa: E402
+from .plotting import plot_training  # noqa: E402
 from .census import PrecisionCensus  # noqa: E402
 from .tracing import NonFiniteTracer  # noqa: E402
 from .opt_levels import (  # noqa: E402

@@ -98,6 +98,9 @@ class _ThreadState(threading.local):
         self.expanding: set = set()
         # Number of casts performed, read by tests and diagnostics.
         self.casts: int = 0
+        # (device type, dtype) -> enabled contexts entered so far on this thread; GradScaler
+        # compares counts to tell whether bfloat16 autocast ran since it last looked.
+        self.entries: dict[tuple[str, torch.dtype], int] = {}
 
 
 STATE = _ThreadState()
@@ -118,6 +121,9 @@ def push_frame(frame: dict[str, DeviceContext]) -> None:
     st = STATE
     st.frames.append(frame)
     _refresh(st)
+    for ctx in st.active:
+        key = (ctx.device_type, ctx.dtype)
+        st.entries[key] = st.entries.get(key, 0) + 1
     if st.modes is None and st.active:
         st.native_nesting = _native_nesting()
         function_level, aten_level = _FunctionLevel(), _AtenLevel()
@@ -145,6 +151,11 @@ def pop_frame() -> None:
         finally:
             function_level.__exit__(None, None, None)
     _refresh(st)
+
+
+def autocast_entries(device_type: str, dtype: torch.dtype) -> int:
+    """How many enabled ``autocast(device_type, dtype)`` contexts this thread has entered so far."""
+    return STATE.entries.get((device_type, dtype), 0)
 
 
 def current_frame() -> dict[str, DeviceContext]:

@@ -36,7 +36,9 @@ the count of syncs stays the same; see "Note: found_inf across ranks" in
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import logging
 import math
 import numbers
 import warnings
@@ -47,9 +49,21 @@ from typing import Any
 
 import torch
 
+from . import _engine
 from . import distributed as _dist
 from .kernels import check_finite_, unscale_check_
 from .kernels.scale_update import ScaleState, update_scale_
+from .kernels.unscale import uses_triton
+from .scaler_diagnostics import (
+    AmpNumericsWarning,
+    OverflowReport,
+    ParameterNames,
+    PendingOverflow,
+    ScaleHistory,
+    positional_names,
+)
+
+_log = logging.getLogger("dispatch_amp")
 
 __all__ = ["GradScaler", "OptState"]
 
@@ -77,6 +91,11 @@ class _OptRecord:
     found_inf_host: bool | None = None
     # Work handle of the cross-rank all_reduce of the flag, until waited on.
     work: Any = None
+    # device -> (parameters, the gradient tensors checked, per-gradient flags or None), kept
+    # for the overflow report of a skipped step (see scaler_diagnostics).
+    checked_per_device: dict[torch.device, tuple[list, list, Any]] = field(default_factory=dict)
+    # device -> the per-gradient flags as read on the host with found_inf (Triton path only).
+    nonfinite_host: dict[torch.device, list[int]] = field(default_factory=dict)
 
 
 # How many flags one packed read carries: bits of an int64, less one for the floor flag.
@@ -120,6 +139,13 @@ class GradScaler:
     * ``min_scale`` / ``max_scale``: bounds for the scale. A backoff that would go below
       ``min_scale`` stops at it and a warning is raised when the host next reads the flags.
     * :attr:`skipped_steps`: running count of steps skipped for overflow, kept on the device.
+    * Diagnostics: :meth:`scale_history` (``(step, scale, skipped)`` per step, recorded on
+      the device, ``history_size`` steps kept), :meth:`last_overflow` (which gradients held
+      inf/nan on the last skipped step, by parameter name after :meth:`name_parameters`),
+      and warnings of category :class:`AmpNumericsWarning` after ``warn_consecutive_skips``
+      skipped steps in a row (None: never) and when the scale is used with bfloat16
+      autocast, which does not need it. Each skipped step is also logged at INFO level on
+      the ``"dispatch_amp"`` logger.
     * ``backend``: kernel backend for unscale and update (``"auto"``, ``"triton"``, ``"torch"``).
     * ``process_group``: for torch.distributed, the group over which each optimizer's
       found_inf is reduced (``MAX``) so that every rank skips together. ``None`` (default):
@@ -156,9 +182,25 @@ class GradScaler:
         max_scale: float | None = None,
         backend: str = "auto",
         process_group: Any = None,
+        history_size: int = 10_000,
+        warn_consecutive_skips: int | None = 10,
     ) -> None:
         self._device = device
         self._enabled = enabled
+        self._history = ScaleHistory(history_size)
+        if warn_consecutive_skips is not None and (not _is_int(warn_consecutive_skips) or warn_consecutive_skips < 1):
+            raise ValueError(f"warn_consecutive_skips must be an int >= 1 or None, got {warn_consecutive_skips!r}.")
+        self._warn_consecutive_skips = warn_consecutive_skips
+        self._names = ParameterNames()
+        # The report of the last skipped step, and the one being built this iteration.
+        self._last_overflow: PendingOverflow | None = None
+        self._iteration_overflow: PendingOverflow | None = None
+        self._run_of_skips = 0  # consecutive skipped steps the host has seen
+        # Apex-style levels keep a dynamic scale with bf16 by definition; they turn this off.
+        self._warn_bf16 = True
+        self._warned_bf16 = False
+        # bf16 regions entered on this thread before the scaler existed are not its business.
+        self._bf16_mark = {t: _engine.autocast_entries(t, torch.bfloat16) for t in ("cpu", "cuda")}
         if device == "cuda" and enabled and not torch.cuda.is_available():
             warnings.warn("GradScaler is enabled for 'cuda', but CUDA is not available. Disabling.", stacklevel=2)
             self._enabled = False
@@ -223,37 +265,66 @@ class GradScaler:
         if not hasattr(optimizer, "param_groups") or not hasattr(optimizer, "step"):
             raise TypeError(f"{funcname}() expects a torch.optim.Optimizer, got {type(optimizer).__name__}.")
 
-    def _unscale_grads_(self, optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool, check_only: bool = False) -> dict[torch.device, torch.Tensor]:
-        """Unscale (or only check) one optimizer's gradients; one fused call per device."""
-        per_device: dict[torch.device, list[torch.Tensor]] = {}
-        if not allow_fp16:
-            self._refuse_fp16_grads(optimizer)
+    def _unscale_grads_(self, optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, check_only: bool = False, refuse_fp16: bool = False) -> dict[torch.device, torch.Tensor]:
+        """Unscale (or only check) one optimizer's gradients; one fused call per device.
+
+        All gradients are collected (and, with ``refuse_fp16``, checked) before the first
+        one is touched, so a refusal changes nothing.
+        """
+        grads: list[torch.Tensor] = []
+        params: list[torch.Tensor] = []
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for param in group["params"]:
                     grad = param.grad
                     if grad is None:
                         continue
-                    # A DTensor gradient (FSDP2) is unscaled through its local shard, in place;
-                    # ranks agree through the found_inf reduction (_reduce_found_inf_).
-                    grad = _dist.local_tensor(grad)
-                    if grad.is_sparse:
-                        # Duplicate fp16 indices could overflow only once summed; coalesce first
-                        # so the check sees the values the optimizer will use (as torch does).
-                        if grad.dtype is torch.float16:
-                            param.grad = grad = grad.coalesce()
-                        grad = grad._values()
-                    per_device.setdefault(grad.device, []).append(grad)
+                    if refuse_fp16 and grad.dtype is torch.float16:
+                        self._refuse_fp16_grads(optimizer)
+                    if type(grad) is not torch.Tensor or grad.is_sparse:  # noqa: E721 - subclasses (DTensor) take the slow path
+                        grad = self._checkable_values(param, grad)
+                    grads.append(grad)
+                    params.append(param)
+            per_device: dict[torch.device, tuple[list, list]] = {}
+            if grads:
+                first = grads[0].device
+                if all(g.device == first for g in grads):
+                    per_device[first] = (params, grads)
+                else:
+                    for param, grad in zip(params, grads):
+                        ps, gs = per_device.setdefault(grad.device, ([], []))
+                        ps.append(param)
+                        gs.append(grad)
             flags: dict[torch.device, torch.Tensor] = {}
-            for device, grads in per_device.items():
+            checked: dict[torch.device, tuple[list, list, Any]] = {}
+            for device, (params, grads) in per_device.items():
                 flag = found_inf if device == found_inf.device else torch.zeros((), dtype=torch.float32, device=device)
+                # Per-gradient flags only where the kernel sets them in the same pass; the
+                # torch path would pay a pass for them on every step (scaler_diagnostics).
+                nonfinite = torch.zeros(len(grads), dtype=torch.int32, device=device) if uses_triton(device, self._backend) else None
                 if check_only:
-                    check_finite_(grads, flag, backend=self._backend)
+                    check_finite_(grads, flag, backend=self._backend, nonfinite=nonfinite, _grads_validated=True)
                 else:
                     inv = inv_scale if device == inv_scale.device else inv_scale.to(device, non_blocking=True)
-                    unscale_check_(grads, inv, flag, backend=self._backend)
+                    unscale_check_(grads, inv, flag, backend=self._backend, nonfinite=nonfinite, _grads_validated=True)
                 flags[device] = flag
+                checked[device] = (params, grads, nonfinite)
+        self._record(optimizer).checked_per_device = checked
         return flags
+
+    @staticmethod
+    def _checkable_values(param, grad: torch.Tensor) -> torch.Tensor:
+        """The dense tensor to unscale in place for a DTensor or sparse gradient."""
+        # A DTensor gradient (FSDP2) is unscaled through its local shard, in place; ranks
+        # agree through the found_inf reduction (_reduce_found_inf_).
+        grad = _dist.local_tensor(grad)
+        if grad.is_sparse:
+            # Duplicate fp16 indices could overflow only once summed; coalesce first so the
+            # check sees the values the optimizer will use (as torch does).
+            if grad.dtype is torch.float16:
+                param.grad = grad = grad.coalesce()
+            grad = grad._values()
+        return grad
 
     @staticmethod
     def _refuse_fp16_grads(optimizer) -> None:
@@ -270,6 +341,14 @@ class GradScaler:
         state = self._require_state("step")
         pending = [rec for rec in self._records.values() if rec.stage is OptState.UNSCALED and rec.found_inf_host is None]
         self._wait_reductions(pending)
+        if len(pending) == 1 and self._min_scale is None:
+            rec = pending[0]
+            flags = list(rec.found_inf_per_device.values())
+            if len(flags) == 1 and flags[0].device == state.scale.device and not self._has_kernel_flags(rec):
+                # The common case, one optimizer on one device: read its flag as it is,
+                # without packing (nan reads as True, like a nonzero flag).
+                rec.found_inf_host = bool(flags[0].item())
+                return
         for start in range(0, len(pending), _FLAGS_PER_READ):
             chunk = pending[start : start + _FLAGS_PER_READ]
             flags = []
@@ -282,11 +361,30 @@ class GradScaler:
             weights = torch.pow(2, torch.arange(len(chunk), dtype=torch.int64, device=bits.device))
             word = (bits * weights).sum()
             word = word + (state.floor_hits > self._floor_hits_seen).to(torch.int64) * (1 << _FLAGS_PER_READ)
-            value = int(word.item())
+            # The kernel's per-gradient flags (Triton path) ride along too: a skipped step
+            # then knows which gradients to report without another sync.
+            extra = [
+                (rec, device, nonfinite)
+                for rec in chunk
+                for device, (_, _, nonfinite) in rec.checked_per_device.items()
+                if nonfinite is not None
+            ]
+            if extra:
+                read = torch.cat([word.reshape(1)] + [nf.to(word.device, torch.int64, non_blocking=True) for _, _, nf in extra]).tolist()
+                value, offset = read[0], 1
+                for rec, device, nonfinite in extra:
+                    rec.nonfinite_host[device] = read[offset : offset + len(nonfinite)]
+                    offset += len(nonfinite)
+            else:
+                value = int(word.item())
             for k, rec in enumerate(chunk):
                 rec.found_inf_host = bool((value >> k) & 1)
             if value >> _FLAGS_PER_READ:
                 self._warn_floor()
+
+    @staticmethod
+    def _has_kernel_flags(rec: _OptRecord) -> bool:
+        return any(nonfinite is not None for _, _, nonfinite in rec.checked_per_device.values())
 
     def _reduce_found_inf_(self, optimizers) -> None:
         """Start the cross-rank MAX of these optimizers' flags (see distributed.py); no wait.
@@ -336,7 +434,72 @@ class GradScaler:
                 f"GradScaler: the loss scale hit min_scale={self._min_scale} ({hits} time(s) so far); "
                 "gradients keep overflowing at the smallest allowed scale. Check the model for "
                 "inf/nan in the forward pass, or lower min_scale.",
-                RuntimeWarning,
+                AmpNumericsWarning,
+                stacklevel=3,
+            )
+
+    def _attribute_overflow(self, optimizer, rec: _OptRecord) -> None:
+        """On a step being skipped: count inf/nan in this optimizer's suspect gradients.
+
+        Runs only after the host has read the flag as set. Suspects are the gradients the
+        kernel flagged where it flags them, else all of them (see "Note: where the
+        per-gradient flags come from" in scaler_diagnostics). The counts stay on the device.
+        """
+        state = self._state
+        if self._iteration_overflow is None:
+            self._iteration_overflow = PendingOverflow(self._history.steps, state.scale)
+        pending = self._iteration_overflow
+        fallback = positional_names(optimizer)
+        for device, (params, grads, _) in rec.checked_per_device.items():
+            hits = rec.nonfinite_host.get(device)
+            for k, (param, grad) in enumerate(zip(params, grads)):
+                if hits is None or hits[k]:
+                    pending.add(param, fallback.get(id(param), f"{type(optimizer).__name__}.<unlisted>"), grad)
+        if _log.isEnabledFor(logging.INFO):  # reading the counts syncs; only when asked to log
+            report = pending.report(self._names)
+            pending._report = None  # later optimizers of this step may still add gradients
+            _log.info("GradScaler: step %d skipped (%s) at scale %s: inf/nan gradients in %s", report.step, type(optimizer).__name__, report.scale, report.summary())
+
+    def _end_iteration_diagnostics(self) -> None:
+        """In update(): keep the iteration's overflow report and watch for runs of skipped steps."""
+        if self._iteration_overflow is not None:
+            self._last_overflow, self._iteration_overflow = self._iteration_overflow, None
+        seen = [rec.found_inf_host for rec in self._records.values() if rec.found_inf_host is not None]
+        if not seen:  # fused optimizers only: the host never looked, nothing to say
+            return
+        if not any(seen):
+            self._run_of_skips = 0
+            return
+        self._run_of_skips += 1
+        limit = self._warn_consecutive_skips
+        run = self._run_of_skips
+        # Warn at the limit, then at 2x, 4x, ... so a long run is not silent but not noisy.
+        if limit is not None and run % limit == 0 and ((run // limit) & (run // limit - 1)) == 0:
+            last = self.last_overflow()
+            where = f" Last one: inf/nan gradients in {last.summary()}." if last is not None and last.gradients else ""
+            warnings.warn(
+                f"GradScaler: {run} steps in a row were skipped for inf/nan gradients (scale now "
+                f"{self.get_scale()}).{where} Lowering the scale does not help when the forward pass "
+                "already overflows: find the first non-finite op with dispatch_amp.NonFiniteTracer, or "
+                "see scaler.last_overflow().",
+                AmpNumericsWarning,
+                stacklevel=3,
+            )
+
+    def _check_bf16_autocast(self, device_type: str) -> None:
+        # Ours: a bf16 region was entered since this scaler last looked (the seeds' pattern
+        # computes the loss inside it and scales outside). Native: only while inside one.
+        entered = _engine.autocast_entries(device_type, torch.bfloat16)
+        ours = entered > self._bf16_mark.get(device_type, 0)
+        self._bf16_mark[device_type] = entered
+        native = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == torch.bfloat16
+        if native or ours:
+            self._warned_bf16 = True
+            warnings.warn(
+                "GradScaler is used with bfloat16 autocast, which does not need loss scaling: bfloat16 "
+                "has float32's exponent range, so gradients do not underflow. Drop the scaler (call "
+                "loss.backward() and optimizer.step() directly) or pass enabled=False.",
+                AmpNumericsWarning,
                 stacklevel=3,
             )
 
@@ -358,6 +521,8 @@ class GradScaler:
         """
         if not self._enabled:
             return outputs
+        if self._warn_bf16 and not self._warned_bf16 and isinstance(outputs, torch.Tensor):
+            self._check_bf16_autocast(outputs.device.type)
         per_device: dict[torch.device, torch.Tensor] = {}
 
         def apply(val):
@@ -404,16 +569,19 @@ class GradScaler:
                 raise RuntimeError("unscale_() is being called after step() for this optimizer (state STEPPED); call update() to start the next iteration first.")
         if len({id(o) for o in opts}) != len(opts):
             raise RuntimeError("unscale_() got the same optimizer twice; pass each optimizer once.")
-        # Validate every optimizer before unscaling any, so a refused call changes nothing.
-        for opt in opts:
-            self._refuse_fp16_grads(opt)
+        # Validate every optimizer before unscaling any, so a refused call changes nothing
+        # (one optimizer is checked as its gradients are collected, before any is touched).
+        if len(opts) > 1:
+            for opt in opts:
+                self._refuse_fp16_grads(opt)
         # Computed in fp64, then rounded once to fp32: a float reciprocal of a large scale
         # could round differently from torch's and desynchronize the two scalers.
         inv_scale = state.scale.double().reciprocal().float()
         for opt in opts:
             found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
             rec = self._record(opt)
-            rec.found_inf_per_device = self._unscale_grads_(opt, inv_scale, found_inf, allow_fp16=False)
+            # fp16 gradients were refused above, for every optimizer before any was touched.
+            rec.found_inf_per_device = self._unscale_grads_(opt, inv_scale, found_inf, refuse_fp16=len(opts) == 1)
             rec.found_inf_host = None
             rec.stage = OptState.UNSCALED
         self._reduce_found_inf_(opts)
@@ -452,7 +620,11 @@ class GradScaler:
             raise RuntimeError("No inf checks were recorded for this optimizer: none of its parameters has a gradient.")
         if rec.found_inf_host is None:
             self._read_pending_flags()
-        retval = None if rec.found_inf_host else optimizer.step(*args, **kwargs)
+        if rec.found_inf_host:
+            self._attribute_overflow(optimizer, rec)
+            retval = None
+        else:
+            retval = optimizer.step(*args, **kwargs)
         rec.stage = OptState.STEPPED
         return retval
 
@@ -469,7 +641,7 @@ class GradScaler:
             return retval
         if rec.stage is OptState.READY:
             found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
-            rec.found_inf_per_device = self._unscale_grads_(optimizer, state.scale, found_inf, allow_fp16=True, check_only=True)
+            rec.found_inf_per_device = self._unscale_grads_(optimizer, state.scale, found_inf, check_only=True)
             self._reduce_found_inf_([optimizer])
         self._wait_reductions([rec])
         flags = [f.to(state.scale.device, non_blocking=True) for f in rec.found_inf_per_device.values()]
@@ -522,8 +694,9 @@ class GradScaler:
             else:
                 raise TypeError(f"new_scale must be a float or a 1-element tensor, got {type(new_scale).__name__}.")
         self._wait_reductions(self._records.values())
+        device = state.scale.device
         found_infs = [
-            f.to(state.scale.device, non_blocking=True)
+            f if f.device == device else f.to(device, non_blocking=True)
             for rec in self._records.values()
             for f in rec.found_inf_per_device.values()
         ]
@@ -532,15 +705,17 @@ class GradScaler:
                 "update() found no inf checks since the last update(): call scaler.step(optimizer) "
                 "(or unscale_) for at least one optimizer with gradients first."
             )
+        combined = (torch.stack(found_infs).sum() if len(found_infs) > 1 else found_infs[0]) if found_infs else None
+        # The scale this step ran with, before it changes.
+        self._history.record(state.scale, combined if combined is not None else self._zero_flag(state))
         if new_scale is not None:
             if isinstance(new_scale, torch.Tensor):
                 state.scale.copy_(new_scale.reshape(()))
             else:
                 state.scale.fill_(float(new_scale))
-            if found_infs:  # the step was still skipped; keep the count honest
-                state.skipped_steps.add_(torch.stack(found_infs).sum() != 0)
+            if combined is not None:  # the step was still skipped; keep the count honest
+                state.skipped_steps.add_(combined != 0)
         else:
-            combined = torch.stack(found_infs).sum() if len(found_infs) > 1 else found_infs[0]
             update_scale_(
                 state,
                 combined,
@@ -552,11 +727,18 @@ class GradScaler:
                 max_scale=self._max_scale,
                 backend=self._backend,
             )
+        self._end_iteration_diagnostics()
         self._records = {}
 
     # ----------------------------------------------------------------------------------
     # accessors
     # ----------------------------------------------------------------------------------
+
+    def _zero_flag(self, state: ScaleState) -> torch.Tensor:
+        zero = getattr(self, "_zero", None)
+        if zero is None or zero.device != state.scale.device:
+            zero = self._zero = torch.zeros((), dtype=torch.float32, device=state.scale.device)
+        return zero
 
     def _get_scale_async(self) -> torch.Tensor | None:
         return None if self._state is None else self._state.scale
@@ -632,6 +814,82 @@ class GradScaler:
     def hysteresis(self) -> int:
         """Consecutive overflowing steps tolerated before a backoff (1: torch's behaviour)."""
         return self._hysteresis if self._enabled else 1
+
+    # ----------------------------------------------------------------------------------
+    # diagnostics
+    # ----------------------------------------------------------------------------------
+
+    def scale_history(self, last: int | None = None) -> list[tuple[int, float, bool]]:
+        """``[(step, scale, skipped), ...]`` for the last ``history_size`` steps (or ``last``), oldest first.
+
+        ``step`` counts ``update()`` calls from 0; ``scale`` is the scale that step's loss
+        was multiplied by (before ``update()`` changed it); ``skipped`` whether any
+        gradient held inf/nan. Recorded on the device by ``update()``; reading it is one
+        sync. Empty when disabled.
+
+        Example::
+
+            >>> model = torch.nn.Linear(2, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> scaler = GradScaler("cpu", init_scale=8.0)
+            >>> for x in (torch.ones(1, 2), torch.full((1, 2), float("inf"))):
+            ...     opt.zero_grad()
+            ...     scaler.scale(model(x).sum()).backward()
+            ...     _ = scaler.step(opt); scaler.update()
+            >>> scaler.scale_history()
+            [(0, 8.0, False), (1, 8.0, True)]
+        """
+        if not self._enabled:
+            return []
+        return self._history.read(last)
+
+    def name_parameters(self, source) -> None:
+        """Give parameters names for :meth:`last_overflow`, warnings and logs.
+
+        ``source``: an ``nn.Module`` or ``(name, parameter)`` pairs (``model.named_parameters()``);
+        several calls add up. Without names, gradients are named by their place in the
+        optimizer (``"SGD.param_groups[0][3]"``). Holds no parameter alive.
+
+        Example::
+
+            >>> model = torch.nn.Linear(2, 1)
+            >>> scaler = GradScaler("cpu")
+            >>> scaler.name_parameters(model)
+        """
+        new = ParameterNames.of(source)
+        for key, entry in new._by_id.items():
+            self._names._by_id[key] = entry
+
+    def last_overflow(self, model=None) -> OverflowReport | None:
+        """Which gradients held inf/nan on the most recent skipped step (None if none was seen).
+
+        Counted on the device when ``step()`` decides to skip, read on the first call
+        (one sync). It covers optimizers whose flag the host reads (ordinary optimizers);
+        a fused optimizer (``_step_supports_amp_scaling``) skips on the device and is not
+        reported. ``model`` (a module or
+        ``named_parameters()`` pairs) names the parameters for this call. Counts are of
+        this process's gradient values (a shard under FSDP2).
+
+        Example::
+
+            >>> model = torch.nn.Linear(2, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> scaler = GradScaler("cpu")
+            >>> scaler.scale(model(torch.tensor([[1.0, float("inf")]])).sum()).backward()
+            >>> _ = scaler.step(opt); scaler.update()
+            >>> scaler.last_overflow(model).names
+            ['weight']
+        """
+        if self._last_overflow is None:
+            return None
+        report = self._last_overflow.report(self._names)
+        if model is None:
+            return report
+        names = ParameterNames.of(model)
+        renamed = []
+        for g in report.gradients:
+            param = g._param() if g._param is not None else None
+            name = names.get(param) if param is not None else None
+            renamed.append(dataclasses.replace(g, name=name) if name else g)
+        return dataclasses.replace(report, gradients=tuple(renamed))
 
     # ----------------------------------------------------------------------------------
     # checkpointing
@@ -759,6 +1017,16 @@ class GradScaler:
             state["_init_hysteresis_tracker"] = sd["_hysteresis_tracker"]
             state["_init_skipped_steps"] = sd["_skipped_steps"]
             state["_state"] = None
+        # Weak references do not pickle: the history travels on the CPU, names stay behind.
+        state["_history"] = self._history.to_host()
+        state["_names"] = ParameterNames()
+        state.pop("_zero", None)
+        state["_iteration_overflow"] = None
+        if self._last_overflow is not None:
+            report = self.last_overflow()
+            done = PendingOverflow(report.step, torch.zeros(()))
+            done._report = dataclasses.replace(report, gradients=tuple(dataclasses.replace(g, _param=None) for g in report.gradients))
+            state["_last_overflow"] = done
         if state.get("_process_group") not in (None, False):
             # A ProcessGroup does not pickle and belongs to one run: the copy uses the default rule.
             state["_process_group"] = None
@@ -767,6 +1035,7 @@ class GradScaler:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.__dict__.setdefault("_process_group", None)  # pickled before the argument existed
+        self._bf16_mark = {t: _engine.autocast_entries(t, torch.bfloat16) for t in ("cpu", "cuda")}
 
     # Compatibility with code written against torch's private helpers (e.g. FSDP's scaler).
     def _found_inf_per_device(self, optimizer) -> dict[torch.device, torch.Tensor]:
@@ -780,5 +1049,5 @@ class GradScaler:
         state = self._require_state("_check_inf_per_device")
         found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
         rec = self._record(optimizer)
-        rec.found_inf_per_device = self._unscale_grads_(optimizer, state.scale, found_inf, allow_fp16=True, check_only=True)
+        rec.found_inf_per_device = self._unscale_grads_(optimizer, state.scale, found_inf, check_only=True)
         return rec.found_inf_per_device

@@ -315,9 +315,14 @@ class OptLevelProperties:
         if not self.uses_scaler:
             return None
         if self.loss_scale == _DYNAMIC:
-            return GradScaler(self.device_type, min_scale=self.min_loss_scale, max_scale=self.max_loss_scale)
-        # Static: the scale is reset by update(new_scale=...) after every scale_loss.
-        return GradScaler(self.device_type, init_scale=self.loss_scale)
+            scaler = GradScaler(self.device_type, min_scale=self.min_loss_scale, max_scale=self.max_loss_scale)
+        else:
+            # Static: the scale is reset by update(new_scale=...) after every scale_loss.
+            scaler = GradScaler(self.device_type, init_scale=self.loss_scale)
+        # The level's table gives it a loss scale whatever the dtype: choosing the level
+        # chose the scaler, so the "not needed with bfloat16" warning would only be noise.
+        scaler._warn_bf16 = False
+        return scaler
 
 
 # ----------------------------------------------------------------------------------------

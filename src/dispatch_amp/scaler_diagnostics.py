@@ -1,0 +1,268 @@
+"""What a GradScaler remembers for diagnosis: scale history, overflow reports, parameter names.
+
+Everything here is cheap on the steps that matter: the history is written on the device
+(two small copies per ``update()``, no host sync, read on demand), and an overflow report
+is built only on a step the scaler has already decided to skip, after the host read
+that decision needed anyway.
+
+Note: where the per-gradient flags come from
+--------------------------------------------
+On the Triton path the unscale kernel marks each gradient that held an inf/nan in the
+same pass that unscales it (``unscale_check_(..., nonfinite=flags)``); the host reads
+those flags in the one read that decides the step, so a skipped step then counts inf/nan
+over the marked gradients only. torch's fused op (the CPU path) returns one flag for all
+gradients; there, on a skipped step, the scaler counts inf/nan over every gradient of
+the optimizer: one extra pass, paid only when a step is skipped, never on a clean one.
+Either way the counts stay on the device until a report is asked for
+(:class:`PendingOverflow`): skipping costs no extra host sync.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["AmpNumericsWarning", "NonFiniteGradient", "OverflowReport", "PendingOverflow", "ScaleHistory", "ParameterNames"]
+
+
+class AmpNumericsWarning(RuntimeWarning):
+    """Category of the numerics warnings dispatch_amp raises (scale floor, repeated skips, ...).
+
+    Filter them like any warning category.
+
+    Example::
+
+        >>> import warnings
+        >>> warnings.simplefilter("error", AmpNumericsWarning)   # make them fatal in CI
+    """
+
+
+@dataclass(frozen=True)
+class NonFiniteGradient:
+    """One gradient that held inf/nan on a skipped step (counts on this process's values).
+
+    ``name`` is the parameter's name when known (``GradScaler.name_parameters`` or the
+    ``model`` passed to ``GradScaler.last_overflow``), else its place in the optimizer,
+    e.g. ``"SGD.param_groups[0][3]"``.
+
+    Example::
+
+        >>> g = NonFiniteGradient("fc.weight", (4, 2), torch.float32, num_inf=1, num_nan=0)
+        >>> str(g)
+        'fc.weight: 1 inf, 0 nan of 8 values (torch.float32, shape (4, 2))'
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    num_inf: int
+    num_nan: int
+    _param: Any = field(default=None, repr=False, compare=False)  # weakref to the parameter
+
+    @property
+    def numel(self) -> int:
+        """Number of values in the gradient."""
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.num_inf} inf, {self.num_nan} nan of {self.numel} values ({self.dtype}, shape {self.shape})"
+
+
+@dataclass(frozen=True)
+class OverflowReport:
+    """Which gradients held inf/nan on one skipped step.
+
+    ``step`` counts ``update()`` calls from 0 (the same numbering as
+    ``GradScaler.scale_history()``); ``scale`` is the loss scale the step ran with.
+
+    Example::
+
+        >>> r = OverflowReport(step=7, scale=65536.0, gradients=(
+        ...     NonFiniteGradient("fc.weight", (2,), torch.float32, 2, 0),))
+        >>> r.names
+        ['fc.weight']
+        >>> print(r)
+        step 7 skipped at scale 65536.0: 1 gradient(s) held inf/nan
+          fc.weight: 2 inf, 0 nan of 2 values (torch.float32, shape (2,))
+    """
+
+    step: int
+    scale: float
+    gradients: tuple[NonFiniteGradient, ...]
+
+    @property
+    def names(self) -> list[str]:
+        """Names of the non-finite gradients, in optimizer order."""
+        return [g.name for g in self.gradients]
+
+    def __str__(self) -> str:
+        lines = [f"step {self.step} skipped at scale {self.scale}: {len(self.gradients)} gradient(s) held inf/nan"]
+        lines += [f"  {g}" for g in self.gradients]
+        return "\n".join(lines)
+
+    def summary(self, limit: int = 3) -> str:
+        """One line naming the first ``limit`` gradients, for warnings and logs."""
+        shown = ", ".join(self.names[:limit])
+        more = len(self.gradients) - limit
+        return shown + (f" and {more} more" if more > 0 else "")
+
+
+class ParameterNames:
+    """Parameter -> name, from a module or ``named_parameters()`` pairs; holds no parameter alive.
+
+    Example::
+
+        >>> model = torch.nn.Linear(2, 1)
+        >>> names = ParameterNames.of(model)
+        >>> names.get(model.bias)
+        'bias'
+    """
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[weakref.ref, str]] = {}
+
+    @classmethod
+    def of(cls, source: Any) -> ParameterNames:
+        """Names from an ``nn.Module`` or an iterable of ``(name, parameter)`` pairs."""
+        names = cls()
+        if isinstance(source, torch.nn.Module):
+            pairs: Iterable = source.named_parameters()
+        elif isinstance(source, Iterable) and not isinstance(source, (str, bytes, torch.Tensor)):
+            pairs = source
+        else:
+            raise TypeError(
+                f"Parameter names come from an nn.Module or an iterable of (name, parameter) pairs "
+                f"(model.named_parameters()), got {type(source).__name__}."
+            )
+        for item in pairs:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], torch.Tensor)):
+                raise TypeError(f"Expected (name, parameter) pairs as from model.named_parameters(), got {item!r:.80}.")
+            name, param = item
+            names._by_id.setdefault(id(param), (weakref.ref(param), name))
+        return names
+
+    def get(self, param: torch.Tensor) -> str | None:
+        """The parameter's name, or None when unknown (or when its id now belongs to another tensor)."""
+        entry = self._by_id.get(id(param))
+        if entry is None or entry[0]() is not param:
+            return None
+        return entry[1]
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+
+def positional_names(optimizer) -> dict[int, str]:
+    """``id(param) -> "<OptimizerClass>.param_groups[g][i]"`` for every parameter of ``optimizer``."""
+    cls = type(optimizer).__name__
+    return {id(p): f"{cls}.param_groups[{g}][{i}]" for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"])}
+
+
+class PendingOverflow:
+    """The overflow report of one skipped step, with its numbers still on the device.
+
+    Built when ``step()`` skips: the inf/nan counts are launched on the device at once
+    (the gradients may be freed right after the step) and read on the host only when
+    the report is first asked for, so a skipped step costs no extra host sync.
+
+    Example::
+
+        >>> p = torch.nn.Parameter(torch.zeros(3)); p.grad = torch.tensor([1.0, float("inf"), float("nan")])
+        >>> pending = PendingOverflow(step=4, scale=torch.tensor(1024.0))
+        >>> pending.add(p, "SGD.param_groups[0][0]", p.grad)
+        >>> print(pending.report(ParameterNames()))
+        step 4 skipped at scale 1024.0: 1 gradient(s) held inf/nan
+          SGD.param_groups[0][0]: 1 inf, 1 nan of 3 values (torch.float32, shape (3,))
+    """
+
+    def __init__(self, step: int, scale: torch.Tensor) -> None:
+        self.step = step
+        self._scale = scale.detach().clone()
+        self._rows: list[tuple[weakref.ref, str, tuple[int, ...], torch.dtype]] = []
+        self._counts: list[torch.Tensor] = []
+        self._report: OverflowReport | None = None
+
+    def add(self, param: torch.Tensor, fallback_name: str, grad: torch.Tensor) -> None:
+        """Count (on the device) the inf and nan values of one candidate gradient."""
+        with torch.no_grad():
+            counts = torch.stack([grad.isinf().sum(), grad.isnan().sum()])
+        self._rows.append((weakref.ref(param), fallback_name, tuple(grad.shape), grad.dtype))
+        self._counts.append(counts.to(self._scale.device, non_blocking=True))
+
+    def report(self, names: ParameterNames) -> OverflowReport:
+        """The report, read from the device on first use (one sync) and kept."""
+        if self._report is None:
+            parts = [self._scale.reshape(1).double()] + [c.double() for c in self._counts]
+            values = torch.cat(parts).tolist()
+            gradients = []
+            for k, (ref, fallback, shape, dtype) in enumerate(self._rows):
+                n_inf, n_nan = int(values[1 + 2 * k]), int(values[2 + 2 * k])
+                if n_inf or n_nan:  # candidates without the flag path include clean gradients
+                    param = ref()
+                    name = (names.get(param) if param is not None else None) or fallback
+                    gradients.append(NonFiniteGradient(name, shape, dtype, n_inf, n_nan, ref))
+            self._report = OverflowReport(self.step, values[0], tuple(gradients))
+        return self._report
+
+
+class ScaleHistory:
+    """A device-side ring buffer of ``(scale, skipped)`` per step; written without host syncs.
+
+    ``record`` is called once per ``update()`` with the scale the step ran with and the
+    step's found_inf; ``read`` copies the buffer to the host once. The step numbers live
+    on the host. ``capacity=0`` keeps nothing.
+
+    Example::
+
+        >>> h = ScaleHistory(capacity=2)
+        >>> for s, f in [(8.0, 0.0), (8.0, 1.0), (4.0, 0.0)]:
+        ...     h.record(torch.tensor(s), torch.tensor(f))
+        >>> h.read()                     # the last two of three steps
+        [(1, 8.0, True), (2, 4.0, False)]
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
+            raise ValueError(f"history_size must be an int >= 0, got {capacity!r}.")
+        self.capacity = capacity
+        self.steps = 0  # steps recorded so far (the next step's number)
+        self._buffer: torch.Tensor | None = None
+
+    def record(self, scale: torch.Tensor, found_inf: torch.Tensor) -> None:
+        """Store this step's scale and whether it was skipped (found_inf nonzero or nan)."""
+        if self.capacity:
+            buffer = self._buffer
+            if buffer is None or buffer.device != scale.device:
+                buffer = self._buffer = torch.zeros(self.capacity, 2, dtype=torch.float32, device=scale.device) if buffer is None else buffer.to(scale.device)
+            # The raw flag is stored (a sum of per-optimizer flags, maybe nan); read() turns
+            # it into skipped. One small op per step.
+            torch.stack((scale, found_inf if found_inf.device == buffer.device else found_inf.to(buffer.device)), out=buffer[self.steps % self.capacity])
+        self.steps += 1
+
+    def read(self, last: int | None = None) -> list[tuple[int, float, bool]]:
+        """``[(step, scale, skipped), ...]`` for the kept steps (the last ``last`` of them), oldest first. One sync."""
+        kept = min(self.steps, self.capacity)
+        if last is not None:
+            if not isinstance(last, int) or isinstance(last, bool) or last < 0:
+                raise ValueError(f"last must be an int >= 0 or None, got {last!r}.")
+            kept = min(kept, last)
+        if kept == 0 or self._buffer is None:
+            return []
+        first = self.steps - kept
+        order = torch.arange(first, self.steps) % self.capacity
+        rows = self._buffer[order.to(self._buffer.device)].tolist()
+        return [(first + k, scale, flag != 0.0) for k, (scale, flag) in enumerate(rows)]  # nan != 0: skipped
+
+    def to_host(self) -> ScaleHistory:
+        """A copy whose buffer lives on the CPU (for pickling)."""
+        copy = ScaleHistory(self.capacity)
+        copy.steps = self.steps
+        copy._buffer = None if self._buffer is None else self._buffer.cpu()
+        return copy
