@@ -106,6 +106,10 @@ class _ThreadState(threading.local):
 STATE = _ThreadState()
 
 
+_increment_nesting = torch.autocast_increment_nesting
+_decrement_nesting = torch.autocast_decrement_nesting
+
+
 def _native_nesting() -> int:
     # torch exposes the nesting counter only through increment/decrement.
     torch.autocast_increment_nesting()
@@ -219,12 +223,11 @@ def _on_device(t: _Tensor, device_type: str) -> bool:
 
 def _cast_one(t: _Tensor, dtype: torch.dtype, ctx: DeviceContext, st: _ThreadState):
     # Native rule: only floating tensors of the context's device, never float64.
-    if (
-        t.dtype is dtype
-        or not t.is_floating_point()
-        or t.dtype is _float64
-        or not _on_device(t, ctx.device_type)
-    ):
+    t_dtype = t.dtype
+    if t_dtype is dtype or t_dtype is _float64 or not t.is_floating_point():
+        return t
+    test = _DEVICE_TESTS.get(ctx.device_type)
+    if not (test(t) if test is not None else t.device.type == ctx.device_type):
         return t
     to = _CAST_METHODS.get(dtype)
     # Native caches lower-precision casts of fp32 leaves that require grad (weights).
@@ -414,7 +417,10 @@ class _FunctionLevel(TorchFunctionMode):
             ctx = _context_for(st, args, kwargs)
             if ctx is None:
                 return func(*args, **kwargs) if kwargs else func(*args)
-        kind = ctx.policy.function_kind(func)
+        try:  # the policy's memo, read directly: this runs for every torch call
+            kind = ctx.policy._function_kinds[func]
+        except (KeyError, TypeError):
+            kind = ctx.policy.function_kind(func)
         if kind is None:
             # Not cast. With grad enabled the aten level has nothing to do inside (it only
             # acts where autograd records nothing), but its presence costs a Python call
@@ -430,7 +436,12 @@ class _FunctionLevel(TorchFunctionMode):
         if kind.__class__ is not str:
             return self._decompose(kind, func, args, kwargs)
         # Python wrappers such as torch.tensordot forward out=None explicitly.
-        if (kwargs and kwargs.get("out") is not None) or _inside_native_region(st):
+        if kwargs and kwargs.get("out") is not None:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        # Inside a native torch.autocast region (enabled or not) native rules; this is
+        # _inside_native_region, inlined: it runs for every cast op.
+        _increment_nesting()
+        if _decrement_nesting() > st.native_nesting:
             return func(*args, **kwargs) if kwargs else func(*args)
         # The op and its casts run with the aten level off the dispatch stack: it would
         # stand aside inside an op cast here anyway (native excludes autocast inside the
@@ -439,6 +450,9 @@ class _FunctionLevel(TorchFunctionMode):
         aten_level = _pop_aten_level(st)
         st.depth += 1
         try:
+            if kind is LOWER and not kwargs:
+                # The common case (matmuls, convolutions), without the general machinery.
+                return func(*_map_tensors(args, ctx.dtype, ctx, st))
             args, kwargs = cast_arguments(kind, ctx, args, kwargs, st, func)
             return func(*args, **kwargs) if kwargs else func(*args)
         finally:
