@@ -164,13 +164,16 @@ def _validate(state: ScaleState, found_inf, growth_factor, backoff_factor, growt
 
 
 def _torch_update(state: ScaleState, found_inf, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale) -> None:
-    found = found_inf != 0  # nan != 0 is True
     if hysteresis == 1 and min_scale is None and max_scale is None:
-        # torch's fused op is the fastest exact path for its own rule.
+        # torch's fused op is the fastest exact path for its own rule; the trackers take
+        # two more small ops (each costs microseconds on CPU, so no more than needed).
         torch._amp_update_scale_(state.scale, state.growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval)
-        state.skipped_steps.add_(found)
-        state.hysteresis_tracker.copy_(found.logical_not())  # what the general rule gives for N=1
+        # What the general rule gives for N=1: 1 after a clean step, 0 after an overflow
+        # (nan == 0 is False: nan is an overflow).
+        torch.eq(found_inf, 0, out=state.hysteresis_tracker)
+        state.skipped_steps.add_(1).sub_(state.hysteresis_tracker)
         return
+    found = found_inf != 0  # nan != 0 is True
     scale = state.scale
     hyst_after = torch.where(found, (state.hysteresis_tracker - 1).clamp_min(0), hysteresis)
     back_off = found & (hyst_after <= 0)
@@ -206,6 +209,7 @@ def update_scale_(
     min_scale: float | None = None,
     max_scale: float | None = None,
     backend: str = "auto",
+    _validated: bool = False,
 ) -> None:
     """Advance the loss-scale state by one step, on the device, without a host sync.
 
@@ -223,7 +227,10 @@ def update_scale_(
         >>> st.scale.item(), st.skipped_steps.item()
         (512.0, 2)
     """
-    _validate(state, found_inf, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale, backend)
+    # _validated: the caller (GradScaler) built the state and checked the configuration;
+    # this runs once per training step, where every microsecond shows on small models.
+    if not _validated:
+        _validate(state, found_inf, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale, backend)
     device = state.scale.device
     use_triton = backend == "triton" or (backend == "auto" and triton is not None and device.type == "cuda")
     if use_triton:

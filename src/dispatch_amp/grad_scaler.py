@@ -726,6 +726,7 @@ class GradScaler:
                 min_scale=self._min_scale,
                 max_scale=self._max_scale,
                 backend=self._backend,
+                _validated=True,
             )
         self._end_iteration_diagnostics()
         self._records = {}
