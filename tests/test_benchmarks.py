@@ -31,3 +31,19 @@ def test_quick_run_prints_every_suite(tmp_path, entry):
     assert not missing, f"missing tables {missing}:\n{res.stdout[-4000:]}"
     if entry[0] == "-m":
         assert (tmp_path / "dispatch-overhead.quick.csv").read_text().startswith("machine,")
+
+
+# The single-comparison scripts, each in its --quick form (tables printed, numbers unchecked).
+SCRIPTS = {
+    "bench_autocast.py": "|",
+    "bench_bounds.py": "### finite check of",
+    "bench_opt_levels.py": "|",
+    "bench_unscale.py": "|",
+}
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_standalone_script_runs_quick(script):
+    res = subprocess.run([sys.executable, f"benchmarks/{script}", "--quick"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert SCRIPTS[script] in res.stdout, res.stdout[-2000:]

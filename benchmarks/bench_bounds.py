@@ -1,0 +1,196 @@
+"""What bounds our speed on CPU: the parts of each cost that are not ours to remove.
+
+    python benchmarks/bench_bounds.py [--quick]
+
+Three measurements, each interleaved (A B C, rotating order), medians after warm-up:
+
+1. **Per op** (``torch.mm`` 8x8, bf16 autocast): native autocast; the same with an empty
+   ``TorchFunctionMode`` on top (what any Python-level mode costs); ours. Plus the two
+   pieces ours cannot avoid on top of the mode: a cast issued from Python
+   (``t.bfloat16()``) and the bf16 mm itself.
+2. **CNN forward** (benchmarks.models.CNN, batch 32, grad mode): native, native + empty
+   ``TorchFunctionMode``, ours: how much of our overhead any Python mode pays.
+3. **Read-only finite check on CPU**, 64 x 512K fp32 gradients: torch's fused
+   unscale-and-check op (reads and writes) against read-only torch alternatives, to show
+   why the fused-optimizer path keeps the fused op on CPU.
+4. **Small ops right after a backward**: the scaler's per-step device ops (scale update,
+   history row, trackers) timed first thing after a CNN backward and again warm; on CPU
+   their count, not their work, is what an ``update()`` costs.
+
+Prints Markdown tables; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+import timeit
+from pathlib import Path
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+import dispatch_amp as amp  # noqa: E402
+from benchmarks.models import CNN  # noqa: E402
+
+
+class EmptyMode(TorchFunctionMode):
+    """A TorchFunctionMode that only forwards: the floor of any Python-level mode."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def native_plus_empty_mode():
+    with torch.autocast("cpu", dtype=torch.bfloat16), EmptyMode():
+        yield
+
+
+CONTEXTS = {
+    "native": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+    "native + empty mode": native_plus_empty_mode,
+    "ours": lambda: amp.autocast("cpu", dtype=torch.bfloat16),
+}
+
+
+def interleaved_us(fns: dict, number: int, rounds: int) -> dict:
+    """Median microseconds per call of each fn, rounds interleaved in rotating order."""
+    times = {k: [] for k in fns}
+    keys = list(fns)
+    for r in range(rounds):
+        for k in keys[r % len(keys):] + keys[: r % len(keys)]:
+            times[k].append(fns[k](number) / number * 1e6)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def per_op(quick: bool) -> str:
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    ab, bb = a.bfloat16(), b.bfloat16()
+
+    def under(ctx):
+        def run(n):
+            with ctx():
+                return timeit.timeit(lambda: torch.mm(a, b), number=n)
+        return run
+
+    fns = {k: under(c) for k, c in CONTEXTS.items()}
+    fns["t.bfloat16() (one cast from Python)"] = lambda n: timeit.timeit(lambda: a.bfloat16(), number=n)
+    fns["bf16 mm, inputs already bf16"] = lambda n: timeit.timeit(lambda: torch.mm(ab, bb), number=n)
+    got = interleaved_us(fns, 2000 if quick else 20000, 3 if quick else 9)
+    lines = ["### per op: torch.mm 8x8 under bf16 autocast (us per call)", "", "| what | us |", "|---|---:|"]
+    lines += [f"| {k} | {v:.2f} |" for k, v in got.items()]
+    return "\n".join(lines)
+
+
+def cnn_forward(quick: bool) -> str:
+    torch.manual_seed(0)
+    model = CNN()
+    x, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
+
+    def under(ctx):
+        def run(n):
+            start = time.perf_counter()
+            for _ in range(n):
+                with ctx():
+                    model.loss(x, y)
+            return time.perf_counter() - start
+        return run
+
+    fns = {k: under(c) for k, c in CONTEXTS.items()}
+    for f in fns.values():  # warm-up
+        f(3)
+    got = interleaved_us(fns, 1, 15 if quick else 90)
+    base = got["native"]
+    lines = ["### CNN forward + loss, grad mode, batch 32 (ms)", "", "| context | ms | minus native |", "|---|---:|---:|"]
+    lines += [f"| {k} | {v / 1e3:.3f} | {(v - base) / 1e3:+.3f} |" for k, v in got.items()]
+    return "\n".join(lines)
+
+
+def readonly_check(quick: bool) -> str:
+    n_tensors, numel = (8, 64 * 1024) if quick else (64, 512 * 1024)
+    torch.manual_seed(0)
+    grads = [torch.randn(numel) for _ in range(n_tensors)]
+    found, one = torch.zeros(()), torch.ones(())
+
+    def fused(n):
+        start = time.perf_counter()
+        for _ in range(n):
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+        return time.perf_counter() - start
+
+    def aminmax(n):
+        start = time.perf_counter()
+        for _ in range(n):
+            found.copy_(torch.stack([torch.stack(torch.aminmax(g)) for g in grads]).isfinite().all().logical_not())
+        return time.perf_counter() - start
+
+    def norm_inf(n):
+        start = time.perf_counter()
+        for _ in range(n):
+            found.copy_(torch.stack(torch._foreach_norm(grads, float("inf"))).isfinite().all().logical_not())
+        return time.perf_counter() - start
+
+    fns = {
+        "torch._amp_foreach_non_finite_check_and_unscale_ (read + write)": fused,
+        "torch.aminmax per tensor (read only)": aminmax,
+        "torch._foreach_norm(inf) (read only)": norm_inf,
+    }
+    for f in fns.values():
+        f(1)
+    got = interleaved_us(fns, 1, 3 if quick else 9)
+    lines = [f"### finite check of {n_tensors} x {numel} fp32 gradients on CPU (ms)", "", "| method | ms |", "|---|---:|"]
+    lines += [f"| {k} | {v / 1e3:.2f} |" for k, v in got.items()]
+    return "\n".join(lines)
+
+
+def cold_small_ops(quick: bool) -> str:
+    """The scaler's per-step device ops, timed right after a CNN backward and again warm."""
+    torch.manual_seed(0)
+    model = CNN()
+    x, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
+    history = torch.zeros(16, 2)
+    scale, found = torch.tensor(65536.0), torch.tensor(0.0)
+    tracker = torch.zeros((), dtype=torch.int32)
+    growth = torch.zeros((), dtype=torch.int32)
+    skipped = torch.zeros((), dtype=torch.int64)
+    ops = {
+        "torch._amp_update_scale_ (torch's whole update)": lambda: torch._amp_update_scale_(scale, growth, found, 2.0, 0.5, 2000),
+        "history row: torch.stack(out=)": lambda: torch.stack((scale, found), out=history[3]),
+        "hysteresis tracker: torch.eq(out=)": lambda: torch.eq(found, 0, out=tracker),
+        "skip count: add_ + sub_": lambda: skipped.add_(1).sub_(tracker),
+    }
+    cold = {k: [] for k in ops}
+    warm = {k: [] for k in ops}
+    for step in range(10 if quick else 60):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model.loss(x, y)
+        loss.backward()
+        for times in (cold, warm):  # first pass right after the backward, second warm
+            for name, op in ops.items():
+                start = time.perf_counter()
+                op()
+                times[name].append(time.perf_counter() - start)
+    skip = 3 if quick else 10
+    lines = ["### small ops right after a backward vs warm (us)", "", "| op | after backward | warm |", "|---|---:|---:|"]
+    lines += [f"| {k} | {statistics.median(cold[k][skip:]) * 1e6:.1f} | {statistics.median(warm[k][skip:]) * 1e6:.1f} |" for k in ops]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes and few rounds (a smoke test)")
+    args = parser.parse_args(argv)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
+    for part in (per_op, cnn_forward, readonly_check, cold_small_ops):
+        print(part(args.quick), end="\n\n", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
