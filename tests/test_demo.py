@@ -1,12 +1,9 @@
-"""The demo runs end to end in a few seconds with --steps 3; the plot helper."""
-
-import builtins
+"""The demo runs end to end in a few seconds with --steps 3."""
 
 import pytest
 import torch
 
 from dispatch_amp import demo
-from dispatch_amp.plotting import plot_training
 
 
 def test_demo_runs_with_three_steps(tmp_path, capsys):
@@ -42,24 +39,3 @@ def test_corpus_ships_with_the_package():
 def test_char_gpt_shapes():
     model = demo.CharGPT(vocab=10, d=12, heads=2, layers=1, seq=8)
     assert model(torch.randint(0, 10, (2, 8))).shape == (2, 8, 10)
-
-
-def test_plot_without_matplotlib_says_how_to_get_it(monkeypatch, tmp_path):
-    real_import = builtins.__import__
-
-    def no_matplotlib(name, *args, **kwargs):
-        if name.startswith("matplotlib"):
-            raise ImportError(name)
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
-    with pytest.raises(ImportError, match=r"dispatch-amp\[plot\]"):
-        plot_training({"a": [1.0, 0.5]}, tmp_path / "x.png")
-
-
-def test_plot_with_scale_history(tmp_path):
-    path = plot_training(
-        {"ours": [2.0, 1.5, 1.2]}, tmp_path / "p.png",
-        scales={"ours": [(1, 65536.0, False), (2, 32768.0, True), (3, 32768.0, False)]},
-    )
-    assert (tmp_path / "p.png").stat().st_size > 0 and path.endswith("p.png")
