@@ -24,7 +24,6 @@ import argparse
 import contextlib
 import copy
 import csv
-import importlib.util
 import pathlib
 import platform
 import statistics
@@ -36,11 +35,9 @@ import torch.nn.functional as F
 
 import dispatch_amp
 
-_HERE = pathlib.Path(__file__).resolve().parent
-_spec = importlib.util.spec_from_file_location("_dispatch_amp_bench_models", _HERE / "models.py")
-M = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = M
-_spec.loader.exec_module(M)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout
+from benchmarks import models as M  # noqa: E402
+from benchmarks.suites.common import quantile, rotations  # noqa: E402
 
 MODES = ("fp32", "native", "ours")
 
@@ -53,25 +50,6 @@ def context(mode: str):
     if mode == "ours":
         return dispatch_amp.autocast("cpu", dtype=torch.bfloat16)
     raise ValueError(mode)
-
-
-def quantile(values, q):
-    """Linear-interpolated quantile, q in [0, 1]."""
-    v = sorted(values)
-    if len(v) == 1:
-        return v[0]
-    pos = q * (len(v) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
-
-
-def rotations(modes, rounds):
-    """Per round, the modes in a rotated order (A B C, B C A, ...): interleaved, and no
-    mode is always first or always last after another one."""
-    for r in range(rounds):
-        k = r % len(modes)
-        yield modes[k:] + modes[:k]
 
 
 # -- suite 1: dispatch overhead ------------------------------------------------------------

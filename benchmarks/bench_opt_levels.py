@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import importlib.util
 import json
 import pathlib
 import platform
@@ -43,11 +42,9 @@ import torch
 
 from dispatch_amp.opt_levels import initialize, scale_loss
 
-_HERE = pathlib.Path(__file__).resolve().parent
-_spec = importlib.util.spec_from_file_location("_dispatch_amp_bench_models", _HERE / "models.py")
-M = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = M
-_spec.loader.exec_module(M)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout
+from benchmarks import models as M  # noqa: E402
+from benchmarks.suites.common import rotations, status_kb  # noqa: E402
 
 CONFIGS = ("fp32", "native", "native+scaler", "O1", "O2", "O3")
 
@@ -105,12 +102,6 @@ def make(config: str, quick: bool):
     return step, desc
 
 
-def rotations(items, rounds):
-    for r in range(rounds):
-        k = r % len(items)
-        yield items[k:] + items[:k]
-
-
 def bench_time(quick: bool):
     rounds = 5 if quick else 11
     warmup = 2
@@ -139,23 +130,12 @@ def bench_time(quick: bool):
     return desc, rows
 
 
-def _status_kb(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
 def _memory_child(config: str, quick: bool) -> None:
     step, _ = make(config, quick)
     step()  # first step: lazily created optimizer state, scaler, caches
     # Imports (torch, triton) set a high-water mark above a small model's training; on
     # Linux, writing 5 to clear_refs resets VmHWM so the peak of the steps alone is seen.
-    setup_kb = _status_kb("VmRSS")
+    setup_kb = status_kb("VmRSS")
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -165,7 +145,7 @@ def _memory_child(config: str, quick: bool) -> None:
         setup_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     for _ in range(3):
         step()
-    peak_kb = _status_kb(peak_field) if peak_field else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak_kb = status_kb(peak_field) if peak_field else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(json.dumps({"setup_mb": setup_kb / 1024, "peak_mb": peak_kb / 1024}))
 
 

@@ -93,3 +93,15 @@ def ratio_stats(num: list, den: list) -> dict:
     """Median, min and max of the per-round ratios num/den."""
     r = [a / b for a, b in zip(num, den)]
     return {"ratio": statistics.median(r), "ratio_min": min(r), "ratio_max": max(r)}
+
+
+def status_kb(field: str) -> int | None:
+    """A ``/proc/self/status`` field in kB (e.g. ``"VmHWM"``: peak RSS), or None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None

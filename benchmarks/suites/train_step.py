@@ -28,7 +28,7 @@ import torch
 import dispatch_amp
 from benchmarks import models as M
 
-from .common import REPO, Table, interleaved, ratio_stats, verdict
+from .common import REPO, Table, interleaved, ratio_stats, status_kb, verdict
 
 # The scaler rows time the scaler's bookkeeping on bf16, where no scaler is needed; ours
 # says so once per scaler (AmpNumericsWarning), which is not news here.
@@ -123,24 +123,13 @@ def _memory(name: str, quick: bool) -> dict:
     return out
 
 
-def _status_kb(field: str):
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
 def child(args: list[str], quick: bool) -> None:
     """``run.py --child train-step MODEL CONFIG``: print peak memory of three steps as JSON."""
     name, config = args
     _, model, batch = case(name, quick)
     step = make_step(model.train(), batch, config)
     step()  # optimizer state, scaler state, caches
-    before_kb = _status_kb("VmRSS")
+    before_kb = status_kb("VmRSS")
     try:  # Linux: reset VmHWM, so the peak is that of the steps, not of the imports
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -149,7 +138,7 @@ def child(args: list[str], quick: bool) -> None:
         reset = False
     for _ in range(3):
         step()
-    peak_kb = _status_kb("VmHWM") if reset else None
+    peak_kb = status_kb("VmHWM") if reset else None
     if peak_kb is None:  # no reset possible: ru_maxrss, which may still be the import peak
         peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(json.dumps({"peak_mb": peak_kb / 1024, "before_mb": (before_kb or 0) / 1024,
