@@ -234,7 +234,6 @@ class ScaleHistory:
         self.capacity = capacity
         self.steps = 0  # steps recorded so far (the next step's number)
         self._buffer: torch.Tensor | None = None
-        self._rows: list[torch.Tensor] = []
 
     def record(self, scale: torch.Tensor, found_inf: torch.Tensor) -> None:
         """Store this step's scale and whether it was skipped (found_inf nonzero or nan)."""
@@ -242,14 +241,10 @@ class ScaleHistory:
             buffer = self._buffer
             if buffer is None or buffer.device != scale.device:
                 buffer = self._buffer = torch.zeros(self.capacity, 2, dtype=torch.float32, device=scale.device) if buffer is None else buffer.to(scale.device)
-                self._rows = []
-            # Row views are made once and kept, so a step costs one small op, not two.
-            slot = self.steps % self.capacity
-            if slot >= len(self._rows):
-                self._rows.extend(buffer[k] for k in range(len(self._rows), slot + 1))
-            # The raw flag is stored (a sum of per-optimizer flags, maybe nan); read() turns
-            # it into skipped.
-            torch.stack((scale, found_inf if found_inf.device == buffer.device else found_inf.to(buffer.device)), out=self._rows[slot])
+            # One kernel per step (the row view is metadata only). The raw flag is stored (a
+            # sum of per-optimizer flags, maybe nan); read() turns it into skipped.
+            row = buffer.select(0, self.steps % self.capacity)
+            torch.stack((scale, found_inf if found_inf.device == buffer.device else found_inf.to(buffer.device)), out=row)
         self.steps += 1
 
     def read(self, last: int | None = None) -> list[tuple[int, float, bool]]:
