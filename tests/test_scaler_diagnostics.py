@@ -293,6 +293,7 @@ def test_consecutive_skips_warn_at_the_threshold_then_at_doublings():
         assert not caught
         train_step(model, opt, scaler, "0.weight")
         assert len(caught) == 1 and caught[0].category is AmpNumericsWarning
+        assert caught[0].filename == __file__  # points at the caller's update(), not at us
         message = str(caught[0].message)
         assert "2 steps in a row" in message and "0.weight" in message and "scale now 16384.0" in message
         train_step(model, opt, scaler, "0.weight")  # 3: quiet
@@ -344,8 +345,9 @@ def test_bf16_autocast_before_the_scaler_existed_does_not_warn():
 
 def test_scaler_inside_native_bf16_autocast_warns():
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        with pytest.warns(AmpNumericsWarning, match="bfloat16"):
+        with pytest.warns(AmpNumericsWarning, match="bfloat16") as caught:
             GradScaler("cpu").scale(torch.ones(()))
+    assert caught[0].filename == __file__  # points at the caller's scale()
 
 
 def test_apex_levels_with_bf16_do_not_warn():

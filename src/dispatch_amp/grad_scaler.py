@@ -36,9 +36,7 @@ the count of syncs stays the same; see "Note: found_inf across ranks" in
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
-import logging
 import math
 import numbers
 import warnings
@@ -49,21 +47,12 @@ from typing import Any
 
 import torch
 
-from . import _engine
 from . import distributed as _dist
 from .kernels import check_finite_, unscale_check_
 from .kernels.scale_update import ScaleState, update_scale_
 from .kernels.unscale import uses_triton
-from .scaler_diagnostics import (
-    AmpNumericsWarning,
-    OverflowReport,
-    ParameterNames,
-    PendingOverflow,
-    ScaleHistory,
-    positional_names,
-)
+from .scaler_diagnostics import AmpNumericsWarning, OverflowReport, ScalerDiagnostics
 
-_log = logging.getLogger("dispatch_amp")
 
 __all__ = ["GradScaler", "OptState"]
 
@@ -187,20 +176,7 @@ class GradScaler:
     ) -> None:
         self._device = device
         self._enabled = enabled
-        self._history = ScaleHistory(history_size)
-        if warn_consecutive_skips is not None and (not _is_int(warn_consecutive_skips) or warn_consecutive_skips < 1):
-            raise ValueError(f"warn_consecutive_skips must be an int >= 1 or None, got {warn_consecutive_skips!r}.")
-        self._warn_consecutive_skips = warn_consecutive_skips
-        self._names = ParameterNames()
-        # The report of the last skipped step, and the one being built this iteration.
-        self._last_overflow: PendingOverflow | None = None
-        self._iteration_overflow: PendingOverflow | None = None
-        self._run_of_skips = 0  # consecutive skipped steps the host has seen
-        # Apex-style levels keep a dynamic scale with bf16 by definition; they turn this off.
-        self._warn_bf16 = True
-        self._warned_bf16 = False
-        # bf16 regions entered on this thread before the scaler existed are not its business.
-        self._bf16_mark = {t: _engine.autocast_entries(t, torch.bfloat16) for t in ("cpu", "cuda")}
+        self._diagnostics = ScalerDiagnostics(history_size, warn_consecutive_skips)
         if device == "cuda" and enabled and not torch.cuda.is_available():
             warnings.warn("GradScaler is enabled for 'cuda', but CUDA is not available. Disabling.", stacklevel=2)
             self._enabled = False
@@ -438,71 +414,6 @@ class GradScaler:
                 stacklevel=3,
             )
 
-    def _attribute_overflow(self, optimizer, rec: _OptRecord) -> None:
-        """On a step being skipped: count inf/nan in this optimizer's suspect gradients.
-
-        Runs only after the host has read the flag as set. Suspects are the gradients the
-        kernel flagged where it flags them, else all of them (see "Note: where the
-        per-gradient flags come from" in scaler_diagnostics). The counts stay on the device.
-        """
-        state = self._state
-        if self._iteration_overflow is None:
-            self._iteration_overflow = PendingOverflow(self._history.steps, state.scale)
-        pending = self._iteration_overflow
-        fallback = positional_names(optimizer)
-        for device, (params, grads, _) in rec.checked_per_device.items():
-            hits = rec.nonfinite_host.get(device)
-            for k, (param, grad) in enumerate(zip(params, grads)):
-                if hits is None or hits[k]:
-                    pending.add(param, fallback.get(id(param), f"{type(optimizer).__name__}.<unlisted>"), grad)
-        if _log.isEnabledFor(logging.INFO):  # reading the counts syncs; only when asked to log
-            report = pending.report(self._names)
-            pending._report = None  # later optimizers of this step may still add gradients
-            _log.info("GradScaler: step %d skipped (%s) at scale %s: inf/nan gradients in %s", report.step, type(optimizer).__name__, report.scale, report.summary())
-
-    def _end_iteration_diagnostics(self) -> None:
-        """In update(): keep the iteration's overflow report and watch for runs of skipped steps."""
-        if self._iteration_overflow is not None:
-            self._last_overflow, self._iteration_overflow = self._iteration_overflow, None
-        seen = [rec.found_inf_host for rec in self._records.values() if rec.found_inf_host is not None]
-        if not seen:  # fused optimizers only: the host never looked, nothing to say
-            return
-        if not any(seen):
-            self._run_of_skips = 0
-            return
-        self._run_of_skips += 1
-        limit = self._warn_consecutive_skips
-        run = self._run_of_skips
-        # Warn at the limit, then at 2x, 4x, ... so a long run is not silent but not noisy.
-        if limit is not None and run % limit == 0 and ((run // limit) & (run // limit - 1)) == 0:
-            last = self.last_overflow()
-            where = f" Last one: inf/nan gradients in {last.summary()}." if last is not None and last.gradients else ""
-            warnings.warn(
-                f"GradScaler: {run} steps in a row were skipped for inf/nan gradients (scale now "
-                f"{self.get_scale()}).{where} Lowering the scale does not help when the forward pass "
-                "already overflows: find the first non-finite op with dispatch_amp.NonFiniteTracer, or "
-                "see scaler.last_overflow().",
-                AmpNumericsWarning,
-                stacklevel=3,
-            )
-
-    def _check_bf16_autocast(self, device_type: str) -> None:
-        # Ours: a bf16 region was entered since this scaler last looked (the seeds' pattern
-        # computes the loss inside it and scales outside). Native: only while inside one.
-        entered = _engine.autocast_entries(device_type, torch.bfloat16)
-        ours = entered > self._bf16_mark.get(device_type, 0)
-        self._bf16_mark[device_type] = entered
-        native = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == torch.bfloat16
-        if native or ours:
-            self._warned_bf16 = True
-            warnings.warn(
-                "GradScaler is used with bfloat16 autocast, which does not need loss scaling: bfloat16 "
-                "has float32's exponent range, so gradients do not underflow. Drop the scaler (call "
-                "loss.backward() and optimizer.step() directly) or pass enabled=False.",
-                AmpNumericsWarning,
-                stacklevel=3,
-            )
-
     # ----------------------------------------------------------------------------------
     # public API
     # ----------------------------------------------------------------------------------
@@ -521,8 +432,8 @@ class GradScaler:
         """
         if not self._enabled:
             return outputs
-        if self._warn_bf16 and not self._warned_bf16 and isinstance(outputs, torch.Tensor):
-            self._check_bf16_autocast(outputs.device.type)
+        if isinstance(outputs, torch.Tensor):
+            self._diagnostics.on_scale(outputs.device.type)
         per_device: dict[torch.device, torch.Tensor] = {}
 
         def apply(val):
@@ -621,7 +532,7 @@ class GradScaler:
         if rec.found_inf_host is None:
             self._read_pending_flags()
         if rec.found_inf_host:
-            self._attribute_overflow(optimizer, rec)
+            self._diagnostics.on_skip(optimizer, self._state.scale, rec.checked_per_device, rec.nonfinite_host)
             retval = None
         else:
             retval = optimizer.step(*args, **kwargs)
@@ -707,7 +618,7 @@ class GradScaler:
             )
         combined = (torch.stack(found_infs).sum() if len(found_infs) > 1 else found_infs[0]) if found_infs else None
         # The scale this step ran with, before it changes.
-        self._history.record(state.scale, combined if combined is not None else self._zero_flag(state))
+        self._diagnostics.history.record(state.scale, combined if combined is not None else self._zero_flag(state))
         if new_scale is not None:
             if isinstance(new_scale, torch.Tensor):
                 state.scale.copy_(new_scale.reshape(()))
@@ -728,7 +639,8 @@ class GradScaler:
                 backend=self._backend,
                 _validated=True,
             )
-        self._end_iteration_diagnostics()
+        seen = [rec.found_inf_host for rec in self._records.values() if rec.found_inf_host is not None]
+        self._diagnostics.on_update(seen, self.get_scale)
         self._records = {}
 
     # ----------------------------------------------------------------------------------
@@ -841,7 +753,7 @@ class GradScaler:
         """
         if not self._enabled:
             return []
-        return self._history.read(last)
+        return self._diagnostics.history.read(last)
 
     def name_parameters(self, source) -> None:
         """Give parameters names for :meth:`last_overflow`, warnings and logs.
@@ -856,9 +768,7 @@ class GradScaler:
             >>> scaler = GradScaler("cpu")
             >>> scaler.name_parameters(model)
         """
-        new = ParameterNames.of(source)
-        for key, entry in new._by_id.items():
-            self._names._by_id[key] = entry
+        self._diagnostics.add_names(source)
 
     def last_overflow(self, model=None) -> OverflowReport | None:
         """Which gradients held inf/nan on the most recent skipped step (None if none was seen).
@@ -879,18 +789,7 @@ class GradScaler:
             >>> scaler.last_overflow(model).names
             ['weight']
         """
-        if self._last_overflow is None:
-            return None
-        report = self._last_overflow.report(self._names)
-        if model is None:
-            return report
-        names = ParameterNames.of(model)
-        renamed = []
-        for g in report.gradients:
-            param = g._param() if g._param is not None else None
-            name = names.get(param) if param is not None else None
-            renamed.append(dataclasses.replace(g, name=name) if name else g)
-        return dataclasses.replace(report, gradients=tuple(renamed))
+        return self._diagnostics.report(model)
 
     # ----------------------------------------------------------------------------------
     # checkpointing
@@ -1018,16 +917,7 @@ class GradScaler:
             state["_init_hysteresis_tracker"] = sd["_hysteresis_tracker"]
             state["_init_skipped_steps"] = sd["_skipped_steps"]
             state["_state"] = None
-        # Weak references do not pickle: the history travels on the CPU, names stay behind.
-        state["_history"] = self._history.to_host()
-        state["_names"] = ParameterNames()
         state.pop("_zero", None)
-        state["_iteration_overflow"] = None
-        if self._last_overflow is not None:
-            report = self.last_overflow()
-            done = PendingOverflow(report.step, torch.zeros(()))
-            done._report = dataclasses.replace(report, gradients=tuple(dataclasses.replace(g, _param=None) for g in report.gradients))
-            state["_last_overflow"] = done
         if state.get("_process_group") not in (None, False):
             # A ProcessGroup does not pickle and belongs to one run: the copy uses the default rule.
             state["_process_group"] = None
@@ -1036,7 +926,6 @@ class GradScaler:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.__dict__.setdefault("_process_group", None)  # pickled before the argument existed
-        self._bf16_mark = {t: _engine.autocast_entries(t, torch.bfloat16) for t in ("cpu", "cuda")}
 
     # Compatibility with code written against torch's private helpers (e.g. FSDP's scaler).
     def _found_inf_per_device(self, optimizer) -> dict[torch.device, torch.Tensor]:

@@ -321,7 +321,7 @@ class OptLevelProperties:
             scaler = GradScaler(self.device_type, init_scale=self.loss_scale)
         # The level's table gives it a loss scale whatever the dtype: choosing the level
         # chose the scaler, so the "not needed with bfloat16" warning would only be noise.
-        scaler._warn_bf16 = False
+        scaler._diagnostics.warn_bf16 = False
         return scaler
 
 

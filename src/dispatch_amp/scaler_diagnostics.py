@@ -19,14 +19,29 @@ Either way the counts stay on the device until a report is asked for
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["AmpNumericsWarning", "NonFiniteGradient", "OverflowReport", "PendingOverflow", "ScaleHistory", "ParameterNames"]
+from . import _engine
+
+__all__ = [
+    "AmpNumericsWarning",
+    "NonFiniteGradient",
+    "OverflowReport",
+    "PendingOverflow",
+    "ScaleHistory",
+    "ParameterNames",
+    "ScalerDiagnostics",
+]
+
+_log = logging.getLogger("dispatch_amp")
 
 
 class AmpNumericsWarning(RuntimeWarning):
@@ -267,3 +282,155 @@ class ScaleHistory:
         copy.steps = self.steps
         copy._buffer = None if self._buffer is None else self._buffer.cpu()
         return copy
+
+
+def _bf16_marks() -> dict[str, int]:
+    return {t: _engine.autocast_entries(t, torch.bfloat16) for t in ("cpu", "cuda")}
+
+
+class ScalerDiagnostics:
+    """Everything one GradScaler keeps for diagnosis, and the warnings it raises.
+
+    The scaler calls :meth:`on_scale` from ``scale()``, :meth:`on_skip` when ``step()``
+    skips an optimizer, ``history.record`` and then :meth:`on_update` from ``update()``.
+    Nothing here reads the device on the way, except to build a warning or a log line
+    that is about to be emitted.
+
+    Example::
+
+        >>> diag = ScalerDiagnostics(history_size=4, warn_consecutive_skips=None)
+        >>> diag.history.record(torch.tensor(8.0), torch.tensor(0.0))
+        >>> diag.history.read(), diag.report()
+        ([(0, 8.0, False)], None)
+    """
+
+    def __init__(self, history_size: int, warn_consecutive_skips: int | None) -> None:
+        if warn_consecutive_skips is not None and (
+            not isinstance(warn_consecutive_skips, int) or isinstance(warn_consecutive_skips, bool) or warn_consecutive_skips < 1
+        ):
+            raise ValueError(f"warn_consecutive_skips must be an int >= 1 or None, got {warn_consecutive_skips!r}.")
+        self.history = ScaleHistory(history_size)
+        self.warn_consecutive_skips = warn_consecutive_skips
+        self.names = ParameterNames()
+        self.last: PendingOverflow | None = None  # the last skipped step's report
+        self._current: PendingOverflow | None = None  # the report being built this step
+        self.run_of_skips = 0  # consecutive skipped steps the host has seen
+        # Apex-style levels keep a dynamic scale with bf16 by definition; they turn this off.
+        self.warn_bf16 = True
+        self._warned_bf16 = False
+        # bf16 regions entered on this thread before the scaler existed are not its business.
+        self._bf16_marks = _bf16_marks()
+
+    # -- hooks called by GradScaler ------------------------------------------------------
+
+    def on_scale(self, device_type: str) -> None:
+        """Warn, once, when the loss being scaled came from bfloat16 autocast."""
+        if not self.warn_bf16 or self._warned_bf16:
+            return
+        # Ours: a bf16 region was entered since the scaler last looked (the seeds' pattern
+        # computes the loss inside it and scales outside). Native: only while inside one.
+        entered = _engine.autocast_entries(device_type, torch.bfloat16)
+        ours = entered > self._bf16_marks.get(device_type, 0)
+        self._bf16_marks[device_type] = entered
+        native = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == torch.bfloat16
+        if native or ours:
+            self._warned_bf16 = True
+            warnings.warn(
+                "GradScaler is used with bfloat16 autocast, which does not need loss scaling: bfloat16 "
+                "has float32's exponent range, so gradients do not underflow. Drop the scaler (call "
+                "loss.backward() and optimizer.step() directly) or pass enabled=False.",
+                AmpNumericsWarning,
+                stacklevel=3,
+            )
+
+    def on_skip(self, optimizer, scale: torch.Tensor, checked: dict, host_flags: dict) -> None:
+        """A step is being skipped: count inf/nan in this optimizer's suspect gradients.
+
+        ``checked``: device -> (parameters, gradients, kernel flags or None) as unscaled;
+        ``host_flags``: device -> the kernel's per-gradient flags as read on the host.
+        Suspects are the flagged gradients where there are flags, else all of them (see
+        "Note: where the per-gradient flags come from"). The counts stay on the device.
+        """
+        if self._current is None:
+            self._current = PendingOverflow(self.history.steps, scale)
+        pending = self._current
+        fallback = positional_names(optimizer)
+        for device, (params, grads, _) in checked.items():
+            hits = host_flags.get(device)
+            for k, (param, grad) in enumerate(zip(params, grads)):
+                if hits is None or hits[k]:
+                    pending.add(param, fallback.get(id(param), f"{type(optimizer).__name__}.<unlisted>"), grad)
+        if _log.isEnabledFor(logging.INFO):  # reading the counts syncs; only when asked to log
+            report = pending.report(self.names)
+            pending._report = None  # later optimizers of this step may still add gradients
+            _log.info("GradScaler: step %d skipped (%s) at scale %s: inf/nan gradients in %s", report.step, type(optimizer).__name__, report.scale, report.summary())
+
+    def on_update(self, host_flags_seen: list[bool], current_scale: Callable[[], float]) -> None:
+        """End of a step: keep its report and watch for runs of skipped steps.
+
+        ``host_flags_seen``: the skip decisions the host read this step (empty when only
+        fused optimizers ran: the host never looked, so there is nothing to say).
+        ``current_scale`` is called (a sync) only when a warning is emitted.
+        """
+        if self._current is not None:
+            self.last, self._current = self._current, None
+        if not host_flags_seen:
+            return
+        if not any(host_flags_seen):
+            self.run_of_skips = 0
+            return
+        self.run_of_skips += 1
+        limit, run = self.warn_consecutive_skips, self.run_of_skips
+        # Warn at the limit, then at 2x, 4x, ... so a long run is not silent but not noisy.
+        if limit is not None and run % limit == 0 and ((run // limit) & (run // limit - 1)) == 0:
+            last = self.report()
+            where = f" Last one: inf/nan gradients in {last.summary()}." if last is not None and last.gradients else ""
+            warnings.warn(
+                f"GradScaler: {run} steps in a row were skipped for inf/nan gradients (scale now "
+                f"{current_scale()}).{where} Lowering the scale does not help when the forward pass "
+                "already overflows: find the first non-finite op with dispatch_amp.NonFiniteTracer, or "
+                "see scaler.last_overflow().",
+                AmpNumericsWarning,
+                stacklevel=3,
+            )
+
+    # -- reading -------------------------------------------------------------------------
+
+    def add_names(self, source) -> None:
+        """Add parameter names from a module or ``(name, parameter)`` pairs."""
+        self.names._by_id.update(ParameterNames.of(source)._by_id)
+
+    def report(self, model=None) -> OverflowReport | None:
+        """The last skipped step's report (one sync the first time), named by ``model`` if given."""
+        if self.last is None:
+            return None
+        report = self.last.report(self.names)
+        if model is None:
+            return report
+        names = ParameterNames.of(model)
+        renamed = []
+        for g in report.gradients:
+            param = g._param() if g._param is not None else None
+            name = names.get(param) if param is not None else None
+            renamed.append(dataclasses.replace(g, name=name) if name else g)
+        return dataclasses.replace(report, gradients=tuple(renamed))
+
+    # -- pickling ------------------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Weak references do not pickle: the history travels on the CPU, names stay behind,
+        # and the last report is read now and kept without its parameter references.
+        state = self.__dict__.copy()
+        state["history"] = self.history.to_host()
+        state["names"] = ParameterNames()
+        state["_current"] = None
+        if self.last is not None:
+            report = self.report()
+            done = PendingOverflow(report.step, torch.zeros(()))
+            done._report = dataclasses.replace(report, gradients=tuple(dataclasses.replace(g, _param=None) for g in report.gradients))
+            state["last"] = done
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._bf16_marks = _bf16_marks()  # counts of this thread, not the pickling one's
