@@ -1,9 +1,10 @@
 """What a GradScaler remembers for diagnosis: scale history, overflow reports, parameter names.
 
 Everything here is cheap on the steps that matter: the history is written on the device
-(two small copies per ``update()``, no host sync, read on demand), and an overflow report
-is built only on a step the scaler has already decided to skip, after the host read
-that decision needed anyway.
+(one small op per ``update()``, no host sync, read on demand), and an overflow report is
+built only on a step the scaler has already decided to skip, after the host read that
+decision needed anyway. :class:`ScalerDiagnostics` holds it all for one scaler and
+raises the numerics warnings (:class:`AmpNumericsWarning`).
 
 Note: where the per-gradient flags come from
 --------------------------------------------
