@@ -56,3 +56,6 @@ def test_readme_python_examples_run():
     for block in blocks:  # in order: later examples use names from earlier ones
         exec(compile(block, "README.md", "exec"), namespace)
     assert namespace["scaler"].get_scale() > 0
+    # The GradScaler section's overflow example does overflow, as its printed output says.
+    report = namespace["scaler"].last_overflow()
+    assert report is not None and report.names, "the README's overflow example no longer overflows"
