@@ -320,11 +320,20 @@ class GradScaler:
         if len(pending) == 1 and self._min_scale is None:
             rec = pending[0]
             flags = list(rec.found_inf_per_device.values())
-            if len(flags) == 1 and flags[0].device == state.scale.device and not self._has_kernel_flags(rec):
+            kernel_flags = [(d, nf) for d, (_, _, nf) in rec.checked_per_device.items() if nf is not None]
+            if len(flags) == 1 and flags[0].device == state.scale.device:
                 # The common case, one optimizer on one device: read its flag as it is,
-                # without packing (nan reads as True, like a nonzero flag).
-                rec.found_inf_host = bool(flags[0].item())
-                return
+                # without packing (nan reads as True, like a nonzero flag), with the
+                # kernel's per-gradient flags in the same read when there are any.
+                if not kernel_flags:
+                    rec.found_inf_host = bool(flags[0].item())
+                    return
+                if len(kernel_flags) == 1 and kernel_flags[0][1].device == flags[0].device:
+                    device, nonfinite = kernel_flags[0]
+                    values = torch.cat([(flags[0] != 0).to(torch.int32).reshape(1), nonfinite]).tolist()
+                    rec.found_inf_host = bool(values[0])
+                    rec.nonfinite_host[device] = values[1:]
+                    return
         for start in range(0, len(pending), _FLAGS_PER_READ):
             chunk = pending[start : start + _FLAGS_PER_READ]
             flags = []
@@ -357,10 +366,6 @@ class GradScaler:
                 rec.found_inf_host = bool((value >> k) & 1)
             if value >> _FLAGS_PER_READ:
                 self._warn_floor()
-
-    @staticmethod
-    def _has_kernel_flags(rec: _OptRecord) -> bool:
-        return any(nonfinite is not None for _, _, nonfinite in rec.checked_per_device.values())
 
     def _reduce_found_inf_(self, optimizers) -> None:
         """Start the cross-rank MAX of these optimizers' flags (see distributed.py); no wait.
