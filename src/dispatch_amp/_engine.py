@@ -24,9 +24,11 @@ read the innermost context from ``_STATE``; nested contexts only push and pop fr
 
 from __future__ import annotations
 
+import functools
 import threading
 import types
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -59,7 +61,8 @@ def _no_dynamo_hook():
     return None
 
 
-_disarm_dynamo = (lambda: _set_eval_frame(None)) if _set_eval_frame else _no_dynamo_hook
+# A partial is called from C: cheaper than a lambda on a path that runs for every cast op.
+_disarm_dynamo = functools.partial(_set_eval_frame, None) if _set_eval_frame else _no_dynamo_hook
 _rearm_dynamo = _set_eval_frame or (lambda hook: None)
 _float32 = torch.float32
 _float64 = torch.float64
@@ -74,6 +77,13 @@ class DeviceContext:
     dtype: torch.dtype
     policy: Policy
     cache_enabled: bool
+    # t -> whether t lives on this device type; resolved once, used for every tensor cast.
+    on_device: Callable[[torch.Tensor], bool] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        test = _DEVICE_TESTS.get(self.device_type)
+        device_type = self.device_type
+        object.__setattr__(self, "on_device", test if test is not None else (lambda t: t.device.type == device_type))
 
 
 class _ThreadState(threading.local):
@@ -96,8 +106,6 @@ class _ThreadState(threading.local):
         self.native_nesting: int = 0
         # Python composites currently being expanded (guards against re-dispatch loops).
         self.expanding: set = set()
-        # Number of casts performed, read by tests and diagnostics.
-        self.casts: int = 0
         # (device type, dtype) -> enabled contexts entered so far on this thread; GradScaler
         # compares counts to tell whether bfloat16 autocast ran since it last looked.
         self.entries: dict[tuple[str, torch.dtype], int] = {}
@@ -216,18 +224,10 @@ _CAST_METHODS = {
 _DEVICE_TESTS = {"cpu": _Tensor.is_cpu.__get__, "cuda": _Tensor.is_cuda.__get__}
 
 
-def _on_device(t: _Tensor, device_type: str) -> bool:
-    test = _DEVICE_TESTS.get(device_type)
-    return test(t) if test is not None else t.device.type == device_type
-
-
 def _cast_one(t: _Tensor, dtype: torch.dtype, ctx: DeviceContext, st: _ThreadState):
     # Native rule: only floating tensors of the context's device, never float64.
     t_dtype = t.dtype
-    if t_dtype is dtype or t_dtype is _float64 or not t.is_floating_point():
-        return t
-    test = _DEVICE_TESTS.get(ctx.device_type)
-    if not (test(t) if test is not None else t.device.type == ctx.device_type):
+    if t_dtype is dtype or t_dtype is _float64 or not t.is_floating_point() or not ctx.on_device(t):
         return t
     to = _CAST_METHODS.get(dtype)
     # Native caches lower-precision casts of fp32 leaves that require grad (weights).
@@ -237,8 +237,8 @@ def _cast_one(t: _Tensor, dtype: torch.dtype, ctx: DeviceContext, st: _ThreadSta
     if (
         ctx.cache_enabled
         and dtype is ctx.dtype
-        and t.is_leaf
         and t.requires_grad
+        and t.is_leaf
         and not t.is_inference()
     ):
         key = (id(t), dtype, torch.is_grad_enabled())
@@ -246,10 +246,8 @@ def _cast_one(t: _Tensor, dtype: torch.dtype, ctx: DeviceContext, st: _ThreadSta
         if hit is not None and hit[0] is t and hit[1] == t._version:
             return hit[2]
         out = to(t) if to is not None else t.to(dtype)
-        st.casts += 1
         st.cache[key] = (t, t._version, out)
         return out
-    st.casts += 1
     return to(t) if to is not None else t.to(dtype)
 
 
@@ -421,6 +419,8 @@ class _FunctionLevel(TorchFunctionMode):
             kind = ctx.policy._function_kinds[func]
         except (KeyError, TypeError):
             kind = ctx.policy.function_kind(func)
+        if kind is LOWER and not kwargs:
+            return self._lower(st, ctx, func, args)
         if kind is None:
             # Not cast. With grad enabled the aten level has nothing to do inside (it only
             # acts where autograd records nothing), but its presence costs a Python call
@@ -450,15 +450,49 @@ class _FunctionLevel(TorchFunctionMode):
         aten_level = _pop_aten_level(st)
         st.depth += 1
         try:
-            if kind is LOWER and not kwargs:
-                # The common case (matmuls, convolutions), without the general machinery.
-                return func(*_map_tensors(args, ctx.dtype, ctx, st))
             args, kwargs = cast_arguments(kind, ctx, args, kwargs, st, func)
             return func(*args, **kwargs) if kwargs else func(*args)
         finally:
             st.depth -= 1
             if aten_level is not None:
-                torch._C._push_on_torch_dispatch_stack(aten_level)
+                _push_dispatch_stack(aten_level)
+            _rearm_dynamo(dynamo_hook)
+
+    @staticmethod
+    def _lower(st, ctx, func, args):
+        """The common cast (matmuls, convolutions, no kwargs): the path below, trimmed.
+
+        Same steps as the general path in __torch_function__ (native-region check, Dynamo
+        and the aten level out of the way, casts, call), inlined because on tiny ops
+        every Python call shows.
+        """
+        _increment_nesting()
+        if _decrement_nesting() > st.native_nesting:
+            return func(*args)
+        dynamo_hook = _disarm_dynamo()
+        aten_level = st.modes[1]
+        depth = _len_dispatch_stack()
+        popped = _pop_dispatch_stack(None) if depth and _dispatch_stack_at(depth - 1) is aten_level else None
+        if popped is None:  # another mode sits above ours: tell the aten level to stand aside
+            st.depth += 1
+        try:
+            dtype = ctx.dtype
+            cast = []
+            for a in args:
+                # _cast_one's first test, inlined: most arguments need no cast at all
+                # (already dtype, or not a tensor), and the rest go through it.
+                if a.__class__ is _Tensor or isinstance(a, _Tensor):
+                    if a.dtype is not dtype:
+                        a = _cast_one(a, dtype, ctx, st)
+                elif isinstance(a, (list, tuple)):
+                    a = _map_tensors((a,), dtype, ctx, st)[0]
+                cast.append(a)
+            return func(*cast)
+        finally:
+            if popped is None:
+                st.depth -= 1
+            else:
+                _push_dispatch_stack(popped)
             _rearm_dynamo(dynamo_hook)
 
     def _decompose(self, decomposition, func, args, kwargs):
@@ -489,17 +523,23 @@ def _call_without_aten_level(st: _ThreadState, func, args, kwargs):
         return func(*args, **kwargs) if kwargs else func(*args)
     finally:
         if aten_level is not None:
-            torch._C._push_on_torch_dispatch_stack(aten_level)
+            _push_dispatch_stack(aten_level)
         _rearm_dynamo(dynamo_hook)
 
 
 # -- the aten level (below autograd) ----------------------------------------------------
+_len_dispatch_stack = torch._C._len_torch_dispatch_stack
+_dispatch_stack_at = torch._C._get_dispatch_stack_at
+_pop_dispatch_stack = torch._C._pop_torch_dispatch_stack
+_push_dispatch_stack = torch._C._push_on_torch_dispatch_stack
+
+
 def _pop_aten_level(st: _ThreadState):
     """Takes our aten level off the dispatch stack if it is on top; returns it or None."""
     aten_level = st.modes[1]
-    depth = torch._C._len_torch_dispatch_stack()
-    if depth and torch._C._get_dispatch_stack_at(depth - 1) is aten_level:
-        return torch._C._pop_torch_dispatch_stack(None)
+    depth = _len_dispatch_stack()
+    if depth and _dispatch_stack_at(depth - 1) is aten_level:
+        return _pop_dispatch_stack(None)
     return None
 
 
