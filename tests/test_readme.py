@@ -58,4 +58,5 @@ def test_readme_python_examples_run():
     assert namespace["scaler"].get_scale() > 0
     # The GradScaler section's overflow example does overflow, as its printed output says.
     report = namespace["scaler"].last_overflow()
-    assert report is not None and report.names, "the README's overflow example no longer overflows"
+    assert report is not None and report.names == ["0.weight", "0.bias", "2.weight", "2.bias"], (
+        "the README's overflow example no longer prints what the README shows")
