@@ -241,38 +241,49 @@ class GradScaler:
         if not hasattr(optimizer, "param_groups") or not hasattr(optimizer, "step"):
             raise TypeError(f"{funcname}() expects a torch.optim.Optimizer, got {type(optimizer).__name__}.")
 
-    def _unscale_grads_(self, optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, check_only: bool = False, refuse_fp16: bool = False) -> dict[torch.device, torch.Tensor]:
-        """Unscale (or only check) one optimizer's gradients; one fused call per device.
+    def _collect_grads(self, optimizer, refuse_fp16: bool) -> dict[torch.device, tuple[list, list]]:
+        """The optimizer's gradients to check, as device -> (parameters, gradient tensors).
 
-        All gradients are collected (and, with ``refuse_fp16``, checked) before the first
-        one is touched, so a refusal changes nothing.
+        Touches no gradient values, so a refusal (fp16 gradients, with ``refuse_fp16``)
+        raised here changes nothing.
         """
         grads: list[torch.Tensor] = []
         params: list[torch.Tensor] = []
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                grad = param.grad
+                if grad is None:
+                    continue
+                if refuse_fp16 and grad.dtype is torch.float16:
+                    raise ValueError(
+                        "Attempting to unscale FP16 gradients: the parameters themselves are fp16. "
+                        "Keep fp32 master parameters (autocast casts inside the forward) for GradScaler."
+                    )
+                if type(grad) is not torch.Tensor or grad.is_sparse:  # noqa: E721 - subclasses (DTensor) take the slow path
+                    grad = self._checkable_values(param, grad)
+                grads.append(grad)
+                params.append(param)
+        if not grads:
+            return {}
+        first = grads[0].device
+        if all(g.device == first for g in grads):
+            return {first: (params, grads)}
+        per_device: dict[torch.device, tuple[list, list]] = {}
+        for param, grad in zip(params, grads):
+            ps, gs = per_device.setdefault(grad.device, ([], []))
+            ps.append(param)
+            gs.append(grad)
+        return per_device
+
+    def _unscale_grads_(self, optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, check_only: bool = False, collected=None) -> dict[torch.device, torch.Tensor]:
+        """Unscale (or only check) one optimizer's gradients; one fused call per device.
+
+        ``collected``: the optimizer's :meth:`_collect_grads`, when the caller already has it.
+        """
+        per_device = self._collect_grads(optimizer, refuse_fp16=False) if collected is None else collected
+        flags: dict[torch.device, torch.Tensor] = {}
+        checked: dict[torch.device, tuple[list, list, Any]] = {}
         with torch.no_grad():
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    grad = param.grad
-                    if grad is None:
-                        continue
-                    if refuse_fp16 and grad.dtype is torch.float16:
-                        self._refuse_fp16_grads(optimizer)
-                    if type(grad) is not torch.Tensor or grad.is_sparse:  # noqa: E721 - subclasses (DTensor) take the slow path
-                        grad = self._checkable_values(param, grad)
-                    grads.append(grad)
-                    params.append(param)
-            per_device: dict[torch.device, tuple[list, list]] = {}
-            if grads:
-                first = grads[0].device
-                if all(g.device == first for g in grads):
-                    per_device[first] = (params, grads)
-                else:
-                    for param, grad in zip(params, grads):
-                        ps, gs = per_device.setdefault(grad.device, ([], []))
-                        ps.append(param)
-                        gs.append(grad)
-            flags: dict[torch.device, torch.Tensor] = {}
-            checked: dict[torch.device, tuple[list, list, Any]] = {}
             for device, (params, grads) in per_device.items():
                 flag = found_inf if device == found_inf.device else torch.zeros((), dtype=torch.float32, device=device)
                 # Per-gradient flags only where the kernel sets them in the same pass; the
@@ -301,16 +312,6 @@ class GradScaler:
                 param.grad = grad = grad.coalesce()
             grad = grad._values()
         return grad
-
-    @staticmethod
-    def _refuse_fp16_grads(optimizer) -> None:
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param.grad is not None and param.grad.dtype == torch.float16:
-                    raise ValueError(
-                        "Attempting to unscale FP16 gradients: the parameters themselves are fp16. "
-                        "Keep fp32 master parameters (autocast casts inside the forward) for GradScaler."
-                    )
 
     def _read_pending_flags(self) -> None:
         """One host sync: read the flags of every unscaled, unread optimizer (see "Note: host syncs")."""
@@ -485,19 +486,16 @@ class GradScaler:
                 raise RuntimeError("unscale_() is being called after step() for this optimizer (state STEPPED); call update() to start the next iteration first.")
         if len({id(o) for o in opts}) != len(opts):
             raise RuntimeError("unscale_() got the same optimizer twice; pass each optimizer once.")
-        # Validate every optimizer before unscaling any, so a refused call changes nothing
-        # (one optimizer is checked as its gradients are collected, before any is touched).
-        if len(opts) > 1:
-            for opt in opts:
-                self._refuse_fp16_grads(opt)
+        # Every optimizer's gradients are collected (and fp16 ones refused) before any is
+        # unscaled, so a refused call changes nothing.
+        collected = [self._collect_grads(opt, refuse_fp16=True) for opt in opts]
         # Computed in fp64, then rounded once to fp32: a float reciprocal of a large scale
         # could round differently from torch's and desynchronize the two scalers.
         inv_scale = state.scale.double().reciprocal().float()
-        for opt in opts:
+        for opt, grads in zip(opts, collected):
             found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
             rec = self._record(opt)
-            # fp16 gradients were refused above, for every optimizer before any was touched.
-            rec.found_inf_per_device = self._unscale_grads_(opt, inv_scale, found_inf, refuse_fp16=len(opts) == 1)
+            rec.found_inf_per_device = self._unscale_grads_(opt, inv_scale, found_inf, collected=grads)
             rec.found_inf_host = None
             rec.stage = OptState.UNSCALED
         self._reduce_found_inf_(opts)
@@ -623,7 +621,8 @@ class GradScaler:
             )
         combined = (torch.stack(found_infs).sum() if len(found_infs) > 1 else found_infs[0]) if found_infs else None
         # The scale this step ran with, before it changes.
-        self._diagnostics.history.record(state.scale, combined if combined is not None else self._zero_flag(state))
+        # Without any check (update(new_scale) alone) the step counts as clean.
+        self._diagnostics.history.record(state.scale, combined if combined is not None else torch.zeros_like(state.scale))
         if new_scale is not None:
             if isinstance(new_scale, torch.Tensor):
                 state.scale.copy_(new_scale.reshape(()))
@@ -651,12 +650,6 @@ class GradScaler:
     # ----------------------------------------------------------------------------------
     # accessors
     # ----------------------------------------------------------------------------------
-
-    def _zero_flag(self, state: ScaleState) -> torch.Tensor:
-        zero = getattr(self, "_zero", None)
-        if zero is None or zero.device != state.scale.device:
-            zero = self._zero = torch.zeros((), dtype=torch.float32, device=state.scale.device)
-        return zero
 
     def _get_scale_async(self) -> torch.Tensor | None:
         return None if self._state is None else self._state.scale
@@ -922,7 +915,6 @@ class GradScaler:
             state["_init_hysteresis_tracker"] = sd["_hysteresis_tracker"]
             state["_init_skipped_steps"] = sd["_skipped_steps"]
             state["_state"] = None
-        state.pop("_zero", None)
         if state.get("_process_group") not in (None, False):
             # A ProcessGroup does not pickle and belongs to one run: the copy uses the default rule.
             state["_process_group"] = None
