@@ -566,8 +566,9 @@ def _dispatch(grads, inv_scale, found_inf, nonfinite, backend, store, name, num_
     with torch.no_grad():
         if _use_triton(backend, found_inf.device, name):
             # Slots: positions in the caller's list, where each gradient's flag goes.
-            fast = [k for k, g in enumerate(grads) if _triton_can_take(g)]
-            rest = [k for k, g in enumerate(grads) if not _triton_can_take(g)]
+            fast, rest = [], []
+            for k, g in enumerate(grads):
+                (fast if _triton_can_take(g) else rest).append(k)
             if fast:
                 _launch_triton([grads[k] for k in fast], fast, inv_scale, found_inf, nonfinite, store, num_programs)
             if rest:  # fp64, gappy layouts, views not 16-byte aligned
