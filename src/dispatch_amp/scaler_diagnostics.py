@@ -174,6 +174,10 @@ class ParameterNames:
     def __len__(self) -> int:
         return len(self._by_id)
 
+    def update(self, other: ParameterNames) -> None:
+        """Add ``other``'s names; a parameter named in both takes ``other``'s name."""
+        self._by_id.update(other._by_id)
+
 
 def positional_names(optimizer) -> dict[int, str]:
     """``id(param) -> "<OptimizerClass>.param_groups[g][i]"`` for every parameter of ``optimizer``."""
@@ -215,17 +219,21 @@ class PendingOverflow:
     def report(self, names: ParameterNames) -> OverflowReport:
         """The report, read from the device on first use (one sync) and kept."""
         if self._report is None:
-            parts = [self._scale.reshape(1).double()] + [c.double() for c in self._counts]
-            values = torch.cat(parts).tolist()
-            gradients = []
-            for k, (ref, fallback, shape, dtype) in enumerate(self._rows):
-                n_inf, n_nan = int(values[1 + 2 * k]), int(values[2 + 2 * k])
-                if n_inf or n_nan:  # candidates without the flag path include clean gradients
-                    param = ref()
-                    name = (names.get(param) if param is not None else None) or fallback
-                    gradients.append(NonFiniteGradient(name, shape, dtype, n_inf, n_nan, ref))
-            self._report = OverflowReport(self.step, values[0], tuple(gradients))
+            self._report = self.read(names)
         return self._report
+
+    def read(self, names: ParameterNames) -> OverflowReport:
+        """Read the report from the device now (one sync), without keeping it."""
+        parts = [self._scale.reshape(1).double()] + [c.double() for c in self._counts]
+        values = torch.cat(parts).tolist()
+        gradients = []
+        for k, (ref, fallback, shape, dtype) in enumerate(self._rows):
+            n_inf, n_nan = int(values[1 + 2 * k]), int(values[2 + 2 * k])
+            if n_inf or n_nan:  # candidates without the flag path include clean gradients
+                param = ref()
+                name = (names.get(param) if param is not None else None) or fallback
+                gradients.append(NonFiniteGradient(name, shape, dtype, n_inf, n_nan, ref))
+        return OverflowReport(self.step, values[0], tuple(gradients))
 
 
 class ScaleHistory:
@@ -362,8 +370,7 @@ class ScalerDiagnostics:
                 if hits is None or hits[k]:
                     pending.add(param, fallback.get(id(param), f"{type(optimizer).__name__}.<unlisted>"), grad)
         if _log.isEnabledFor(logging.INFO):  # reading the counts syncs; only when asked to log
-            report = pending.report(self.names)
-            pending._report = None  # later optimizers of this step may still add gradients
+            report = pending.read(self.names)  # not kept: later optimizers of this step may add more
             _log.info("GradScaler: step %d skipped (%s) at scale %s: inf/nan gradients in %s", report.step, type(optimizer).__name__, report.scale, report.summary())
 
     def on_update(self, host_flags_seen: list[bool], current_scale: Callable[[], float]) -> None:
@@ -399,7 +406,7 @@ class ScalerDiagnostics:
 
     def add_names(self, source) -> None:
         """Add parameter names from a module or ``(name, parameter)`` pairs."""
-        self.names._by_id.update(ParameterNames.of(source)._by_id)
+        self.names.update(ParameterNames.of(source))
 
     def report(self, model=None) -> OverflowReport | None:
         """The last skipped step's report (one sync the first time), named by ``model`` if given."""
