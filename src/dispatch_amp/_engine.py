@@ -120,8 +120,8 @@ _decrement_nesting = torch.autocast_decrement_nesting
 
 def _native_nesting() -> int:
     # torch exposes the nesting counter only through increment/decrement.
-    torch.autocast_increment_nesting()
-    return torch.autocast_decrement_nesting()
+    _increment_nesting()
+    return _decrement_nesting()
 
 
 def _inside_native_region(st: _ThreadState) -> bool:
@@ -435,13 +435,9 @@ class _FunctionLevel(TorchFunctionMode):
             return self._expand(st, func, args, kwargs)
         if kind.__class__ is not str:
             return self._decompose(kind, func, args, kwargs)
-        # Python wrappers such as torch.tensordot forward out=None explicitly.
-        if kwargs and kwargs.get("out") is not None:
-            return func(*args, **kwargs) if kwargs else func(*args)
-        # Inside a native torch.autocast region (enabled or not) native rules; this is
-        # _inside_native_region, inlined: it runs for every cast op.
-        _increment_nesting()
-        if _decrement_nesting() > st.native_nesting:
+        # Python wrappers such as torch.tensordot forward out=None explicitly; inside a
+        # native torch.autocast region (enabled or not) native rules.
+        if (kwargs and kwargs.get("out") is not None) or _inside_native_region(st):
             return func(*args, **kwargs) if kwargs else func(*args)
         # The op and its casts run with the aten level off the dispatch stack: it would
         # stand aside inside an op cast here anyway (native excludes autocast inside the
@@ -463,8 +459,8 @@ class _FunctionLevel(TorchFunctionMode):
         """The common cast (matmuls, convolutions, no kwargs): the path below, trimmed.
 
         Same steps as the general path in __torch_function__ (native-region check, Dynamo
-        and the aten level out of the way, casts, call), inlined because on tiny ops
-        every Python call shows.
+        and the aten level out of the way, casts, call), with _inside_native_region and
+        _pop_aten_level inlined because on tiny ops every Python call shows.
         """
         _increment_nesting()
         if _decrement_nesting() > st.native_nesting:
