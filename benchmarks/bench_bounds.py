@@ -59,6 +59,16 @@ CONTEXTS = {
 }
 
 
+def repeated(body, ctx=contextlib.nullcontext):
+    """``run(n)``: seconds for ``n`` calls of ``body`` inside one ``ctx()``."""
+
+    def run(n):
+        with ctx():
+            return timeit.timeit(body, number=n)
+
+    return run
+
+
 def interleaved_us(fns: dict, number: int, rounds: int) -> dict:
     """Median microseconds per call of each fn, rounds interleaved in rotating order."""
     times = {k: [] for k in fns}
@@ -73,15 +83,9 @@ def per_op(quick: bool) -> str:
     a, b = torch.randn(8, 8), torch.randn(8, 8)
     ab, bb = a.bfloat16(), b.bfloat16()
 
-    def under(ctx):
-        def run(n):
-            with ctx():
-                return timeit.timeit(lambda: torch.mm(a, b), number=n)
-        return run
-
-    fns = {k: under(c) for k, c in CONTEXTS.items()}
-    fns["t.bfloat16() (one cast from Python)"] = lambda n: timeit.timeit(lambda: a.bfloat16(), number=n)
-    fns["bf16 mm, inputs already bf16"] = lambda n: timeit.timeit(lambda: torch.mm(ab, bb), number=n)
+    fns = {k: repeated(lambda: torch.mm(a, b), ctx) for k, ctx in CONTEXTS.items()}
+    fns["t.bfloat16() (one cast from Python)"] = repeated(lambda: a.bfloat16())
+    fns["bf16 mm, inputs already bf16"] = repeated(lambda: torch.mm(ab, bb))
     got = interleaved_us(fns, 2000 if quick else 20000, 3 if quick else 9)
     lines = ["### per op: torch.mm 8x8 under bf16 autocast (us per call)", "", "| what | us |", "|---|---:|"]
     lines += [f"| {k} | {v:.2f} |" for k, v in got.items()]
@@ -93,16 +97,13 @@ def cnn_forward(quick: bool) -> str:
     model = CNN()
     x, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
 
-    def under(ctx):
-        def run(n):
-            start = time.perf_counter()
-            for _ in range(n):
-                with ctx():
-                    model.loss(x, y)
-            return time.perf_counter() - start
-        return run
+    def forward_in(ctx):  # a fresh context per forward, as in training
+        def body():
+            with ctx():
+                model.loss(x, y)
+        return body
 
-    fns = {k: under(c) for k, c in CONTEXTS.items()}
+    fns = {k: repeated(forward_in(ctx)) for k, ctx in CONTEXTS.items()}
     for f in fns.values():  # warm-up
         f(3)
     got = interleaved_us(fns, 1, 15 if quick else 90)
@@ -118,28 +119,16 @@ def readonly_check(quick: bool) -> str:
     grads = [torch.randn(numel) for _ in range(n_tensors)]
     found, one = torch.zeros(()), torch.ones(())
 
-    def fused(n):
-        start = time.perf_counter()
-        for _ in range(n):
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
-        return time.perf_counter() - start
-
-    def aminmax(n):
-        start = time.perf_counter()
-        for _ in range(n):
-            found.copy_(torch.stack([torch.stack(torch.aminmax(g)) for g in grads]).isfinite().all().logical_not())
-        return time.perf_counter() - start
-
-    def norm_inf(n):
-        start = time.perf_counter()
-        for _ in range(n):
-            found.copy_(torch.stack(torch._foreach_norm(grads, float("inf"))).isfinite().all().logical_not())
-        return time.perf_counter() - start
-
     fns = {
-        "torch._amp_foreach_non_finite_check_and_unscale_ (read + write)": fused,
-        "torch.aminmax per tensor (read only)": aminmax,
-        "torch._foreach_norm(inf) (read only)": norm_inf,
+        "torch._amp_foreach_non_finite_check_and_unscale_ (read + write)": repeated(
+            lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+        ),
+        "torch.aminmax per tensor (read only)": repeated(
+            lambda: found.copy_(torch.stack([torch.stack(torch.aminmax(g)) for g in grads]).isfinite().all().logical_not())
+        ),
+        "torch._foreach_norm(inf) (read only)": repeated(
+            lambda: found.copy_(torch.stack(torch._foreach_norm(grads, float("inf"))).isfinite().all().logical_not())
+        ),
     }
     for f in fns.values():
         f(1)
