@@ -59,6 +59,13 @@ CONTEXTS = {
 }
 
 
+def markdown(title: str, header: list[str], rows: list[list[str]]) -> str:
+    """A titled Markdown table; the first column left-aligned, the others right-aligned."""
+    lines = [f"### {title}", "", "| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
 def repeated(body, ctx=contextlib.nullcontext):
     """``run(n)``: seconds for ``n`` calls of ``body`` inside one ``ctx()``."""
 
@@ -87,9 +94,7 @@ def per_op(quick: bool) -> str:
     fns["t.bfloat16() (one cast from Python)"] = repeated(lambda: a.bfloat16())
     fns["bf16 mm, inputs already bf16"] = repeated(lambda: torch.mm(ab, bb))
     got = interleaved_us(fns, 2000 if quick else 20000, 3 if quick else 9)
-    lines = ["### per op: torch.mm 8x8 under bf16 autocast (us per call)", "", "| what | us |", "|---|---:|"]
-    lines += [f"| {k} | {v:.2f} |" for k, v in got.items()]
-    return "\n".join(lines)
+    return markdown("per op: torch.mm 8x8 under bf16 autocast (us per call)", ["what", "us"], [[k, f"{v:.2f}"] for k, v in got.items()])
 
 
 def cnn_forward(quick: bool) -> str:
@@ -108,9 +113,8 @@ def cnn_forward(quick: bool) -> str:
         f(3)
     got = interleaved_us(fns, 1, 15 if quick else 90)
     base = got["native"]
-    lines = ["### CNN forward + loss, grad mode, batch 32 (ms)", "", "| context | ms | minus native |", "|---|---:|---:|"]
-    lines += [f"| {k} | {v / 1e3:.3f} | {(v - base) / 1e3:+.3f} |" for k, v in got.items()]
-    return "\n".join(lines)
+    rows = [[k, f"{v / 1e3:.3f}", f"{(v - base) / 1e3:+.3f}"] for k, v in got.items()]
+    return markdown("CNN forward + loss, grad mode, batch 32 (ms)", ["context", "ms", "minus native"], rows)
 
 
 def readonly_check(quick: bool) -> str:
@@ -133,9 +137,8 @@ def readonly_check(quick: bool) -> str:
     for f in fns.values():
         f(1)
     got = interleaved_us(fns, 1, 3 if quick else 9)
-    lines = [f"### finite check of {n_tensors} x {numel} fp32 gradients on CPU (ms)", "", "| method | ms |", "|---|---:|"]
-    lines += [f"| {k} | {v / 1e3:.2f} |" for k, v in got.items()]
-    return "\n".join(lines)
+    rows = [[k, f"{v / 1e3:.2f}"] for k, v in got.items()]
+    return markdown(f"finite check of {n_tensors} x {numel} fp32 gradients on CPU (ms)", ["method", "ms"], rows)
 
 
 def cold_small_ops(quick: bool) -> str:
@@ -166,9 +169,8 @@ def cold_small_ops(quick: bool) -> str:
                 op()
                 times[name].append(time.perf_counter() - start)
     skip = 3 if quick else 10
-    lines = ["### small ops right after a backward vs warm (us)", "", "| op | after backward | warm |", "|---|---:|---:|"]
-    lines += [f"| {k} | {statistics.median(cold[k][skip:]) * 1e6:.1f} | {statistics.median(warm[k][skip:]) * 1e6:.1f} |" for k in ops]
-    return "\n".join(lines)
+    rows = [[k, f"{statistics.median(cold[k][skip:]) * 1e6:.1f}", f"{statistics.median(warm[k][skip:]) * 1e6:.1f}"] for k in ops]
+    return markdown("small ops right after a backward vs warm (us)", ["op", "after backward", "warm"], rows)
 
 
 def main(argv=None) -> int:
