@@ -89,7 +89,7 @@ def test_cast_inputs_leaves_float64_and_integers():
 
 
 def test_misuse_is_reported():
-    with pytest.raises(ValueError, match="supports"):
+    with pytest.raises(RuntimeError, match="supports"):
         amp.custom_fwd(device_type="tpu")
     with pytest.raises(TypeError, match="cast_inputs"):
         amp.custom_fwd(device_type="cpu", cast_inputs="float32")

@@ -19,18 +19,44 @@ that (DESIGN.md fact 1). So the engine has two levels that read one ``Policy``:
   lookup and a call. It is also where later features observe every kernel.
 
 Both levels are installed once per thread by the outermost enabled ``autocast`` and
-read the innermost context from ``_STATE``; nested contexts only push and pop frames.
+read the innermost context from ``STATE``; nested contexts only push and pop frames.
+
+Note: torch sees our state as native state
+------------------------------------------
+Code written for torch asks torch, not us, whether autocast is on
+(``torch.is_autocast_enabled``, ``torch.get_autocast_dtype``, ``custom_fwd``,
+``torch.utils.checkpoint``, nn modules' fast paths, library float32 islands). So entering
+``autocast`` sets torch's own thread-local autocast state exactly as ``torch.autocast``
+would (enabled, dtype, cache flag, nesting counter) and exiting restores it. In torch that
+state *is* the switch of native casting (the Autocast dispatch key is on while enabled),
+so native autocast casts too, with its own table, wherever it sees an op:
+
+- Under a built-in policy (``Policy.for_device(device_type)``, native's own table) that
+  is harmless, and needed. The function level casts every call in the table before
+  native sees it (a tensor already in the right dtype is not cast again), and native
+  casts what no Python level can see: ops that C++ kernels call inside other ops.
+- Under any other policy native's table would contradict ours, so every call the
+  function level lets through runs with native autocast switched off for that device
+  type (``_call_aside``, ``_lower``), and switched back on before Python code outside the
+  call runs again. Ops called from inside C++ kernels then follow our aten level (under
+  ``no_grad``) or run as given.
+ A native ``torch.autocast`` region opened inside ours raises torch's nesting
+counter above the value our innermost context recorded; there native rules and both
+levels stand aside, which gives native's rule for any nesting order: the innermost
+context wins.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.utils.checkpoint
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -79,21 +105,32 @@ class DeviceContext:
     cache_enabled: bool
     # t -> whether t lives on this device type; resolved once, used for every tensor cast.
     on_device: Callable[[torch.Tensor], bool] = field(init=False, repr=False, compare=False)
+    # Whether the policy is not native autocast's table for this device type.
+    custom: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         test = _DEVICE_TESTS.get(self.device_type)
         device_type = self.device_type
         object.__setattr__(self, "on_device", test if test is not None else (lambda t: t.device.type == device_type))
+        native = Policy.for_device(device_type)
+        object.__setattr__(self, "custom", self.policy is not native and self.policy != native)
 
 
 class _ThreadState(threading.local):
     def __init__(self):
         # frames[i] maps device type -> DeviceContext; the last frame is in force.
         self.frames: list[dict[str, DeviceContext]] = []
+        # depths[i]: torch's autocast nesting counter right after frame i was entered.
+        self.depths: list[int] = []
         # Enabled contexts of the innermost frame; `primary` is set when there is exactly
         # one (the common case), so the hot path needs no device lookup.
         self.active: tuple[DeviceContext, ...] = ()
         self.primary: DeviceContext | None = None
+        # Device types of `active` whose policy is not native's: native autocast is
+        # switched off for them around calls (see "Note: torch sees our state...").
+        self.native_devices: tuple[str, ...] = ()
+        # depths[-1]: a deeper nesting counter means a native region inside our innermost.
+        self.native_depth: int = -1
         # The installed pair of modes and the frame index that installed them.
         self.modes: tuple | None = None
         self.installer: int = -1
@@ -101,11 +138,10 @@ class _ThreadState(threading.local):
         self.cache: dict = {}
         # >0 while an op cast by the function level runs: the aten level stands aside.
         self.depth: int = 0
-        # Native autocast nesting when our modes were installed; a deeper value means a
-        # native `torch.autocast(...)` region was entered inside ours.
-        self.native_nesting: int = 0
         # Python composites currently being expanded (guards against re-dispatch loops).
         self.expanding: set = set()
+        # >0 while dispatch_amp.checkpoint runs its function: it recomputes under our state.
+        self.own_checkpoint: int = 0
         # (device type, dtype) -> enabled contexts entered so far on this thread; GradScaler
         # compares counts to tell whether bfloat16 autocast ran since it last looked.
         self.entries: dict[tuple[str, torch.dtype], int] = {}
@@ -116,6 +152,7 @@ STATE = _ThreadState()
 
 _increment_nesting = torch.autocast_increment_nesting
 _decrement_nesting = torch.autocast_decrement_nesting
+_set_native_enabled = torch.set_autocast_enabled
 
 
 def _native_nesting() -> int:
@@ -125,34 +162,97 @@ def _native_nesting() -> int:
 
 
 def _inside_native_region(st: _ThreadState) -> bool:
-    return _native_nesting() > st.native_nesting
+    return _native_nesting() > st.native_depth
 
 
-# -- frames -----------------------------------------------------------------------------
-def push_frame(frame: dict[str, DeviceContext]) -> None:
+# -- entering and leaving a context -----------------------------------------------------
+@dataclass(frozen=True)
+class NativeState:
+    """torch's autocast state for one device type, as an entered context found it."""
+
+    device_type: str
+    enabled: bool
+    dtype: torch.dtype
+    cache_enabled: bool
+
+    @classmethod
+    def read(cls, device_type: str) -> NativeState:
+        return cls(
+            device_type,
+            torch.is_autocast_enabled(device_type),
+            torch.get_autocast_dtype(device_type),
+            torch.is_autocast_cache_enabled(),
+        )
+
+
+def enter(ctx: DeviceContext) -> NativeState:
+    """Opens ``ctx`` on this thread; returns what :func:`leave` restores.
+
+    torch's state is set as ``torch.autocast.__enter__`` sets it (see "Note: torch sees
+    our state as native state"), then the frame is pushed.
+    """
+    saved = NativeState.read(ctx.device_type)
+    _set_native_enabled(ctx.device_type, ctx.enabled)
+    torch.set_autocast_dtype(ctx.device_type, ctx.dtype)
+    depth = _increment_nesting()
+    torch.set_autocast_cache_enabled(ctx.cache_enabled)
+    frame = dict(current_frame())
+    frame[ctx.device_type] = ctx
+    try:
+        _push_frame(frame, depth)
+    except BaseException:
+        _restore_native(saved)
+        raise
+    return saved
+
+
+def leave(saved: NativeState) -> None:
+    """Closes the innermost context opened by :func:`enter` on this thread."""
+    try:
+        _pop_frame()
+    finally:
+        _restore_native(saved)
+
+
+def _restore_native(saved: NativeState) -> None:
+    if _decrement_nesting() == 0:
+        torch.clear_autocast_cache()
+    _set_native_enabled(saved.device_type, saved.enabled)
+    torch.set_autocast_dtype(saved.device_type, saved.dtype)
+    torch.set_autocast_cache_enabled(saved.cache_enabled)
+
+
+def _push_frame(frame: dict[str, DeviceContext], depth: int) -> None:
     st = STATE
     st.frames.append(frame)
+    st.depths.append(depth)
     _refresh(st)
     for ctx in st.active:
         key = (ctx.device_type, ctx.dtype)
         st.entries[key] = st.entries.get(key, 0) + 1
     if st.modes is None and st.active:
-        st.native_nesting = _native_nesting()
         function_level, aten_level = _FunctionLevel(), _AtenLevel()
-        function_level.__enter__()
         try:
-            aten_level.__enter__()
+            function_level.__enter__()
+            try:
+                aten_level.__enter__()
+            except BaseException:
+                function_level.__exit__(None, None, None)
+                raise
         except BaseException:
-            function_level.__exit__(None, None, None)
+            st.frames.pop()
+            st.depths.pop()
+            _refresh(st)
             raise
         st.modes = (function_level, aten_level)
         st.installer = len(st.frames) - 1
 
 
-def pop_frame() -> None:
+def _pop_frame() -> None:
     st = STATE
     index = len(st.frames) - 1
     st.frames.pop()
+    st.depths.pop()
     if st.modes is not None and index == st.installer:
         function_level, aten_level = st.modes
         st.modes = None
@@ -179,6 +279,8 @@ def _refresh(st: _ThreadState) -> None:
     frame = st.frames[-1] if st.frames else {}
     st.active = tuple(ctx for ctx in frame.values() if ctx.enabled)
     st.primary = st.active[0] if len(st.active) == 1 else None
+    st.native_devices = tuple(ctx.device_type for ctx in st.active if ctx.custom)
+    st.native_depth = st.depths[-1] if st.depths else -1
 
 
 def clear_cache() -> None:
@@ -410,62 +512,51 @@ class _FunctionLevel(TorchFunctionMode):
         st = STATE
         ctx = st.primary
         if ctx is None:
-            if not st.active:
+            if not st.active:  # our innermost context is disabled, and so is native autocast
                 return func(*args, **kwargs) if kwargs else func(*args)
             ctx = _context_for(st, args, kwargs)
             if ctx is None:
-                return func(*args, **kwargs) if kwargs else func(*args)
+                if _inside_native_region(st):
+                    return func(*args, **kwargs) if kwargs else func(*args)
+                return _call_aside(st, func, args, kwargs)
         try:  # the policy's memo, read directly: this runs for every torch call
             kind = ctx.policy._function_kinds[func]
         except (KeyError, TypeError):
             kind = ctx.policy.function_kind(func)
+        if ctx.custom and not st.own_checkpoint:
+            _refuse_torch_checkpoint(ctx, func, kind)
         if kind is LOWER and not kwargs:
             return self._lower(st, ctx, func, args)
-        if kind is None:
-            # Not cast. With grad enabled the aten level has nothing to do inside (it only
-            # acts where autograd records nothing), but its presence costs a Python call
-            # per aten op and sends some C++ composites down slower paths (an active
-            # dispatch mode makes every tensor look like a subclass), so it steps aside.
-            if torch.is_grad_enabled():
-                return _call_without_aten_level(st, func, args, kwargs)
-            return func(*args, **kwargs) if kwargs else func(*args)
         if kind is GETTER:
             return func(*args, **kwargs) if kwargs else func(*args)
         if kind is EXPAND:
             return self._expand(st, func, args, kwargs)
-        if kind.__class__ is not str:
+        if kind is not None and kind.__class__ is not str:
             return self._decompose(kind, func, args, kwargs)
-        # Python wrappers such as torch.tensordot forward out=None explicitly; inside a
-        # native torch.autocast region (enabled or not) native rules.
-        if (kwargs and kwargs.get("out") is not None) or _inside_native_region(st):
+        # Inside a native torch.autocast region (enabled or not) native rules.
+        if _inside_native_region(st):
             return func(*args, **kwargs) if kwargs else func(*args)
-        # The op and its casts run with the aten level off the dispatch stack: it would
-        # stand aside inside an op cast here anyway (native excludes autocast inside the
-        # ops it handles), and every aten op it sees costs a Python call.
-        dynamo_hook = _disarm_dynamo()
-        aten_level = _pop_aten_level(st)
-        st.depth += 1
-        try:
-            args, kwargs = cast_arguments(kind, ctx, args, kwargs, st, func)
-            return func(*args, **kwargs) if kwargs else func(*args)
-        finally:
-            st.depth -= 1
-            if aten_level is not None:
-                _push_dispatch_stack(aten_level)
-            _rearm_dynamo(dynamo_hook)
+        # Python wrappers such as torch.tensordot forward out=None explicitly; a real out=
+        # is never cast (native does not cast out= overloads either).
+        if kind is not None and kwargs and kwargs.get("out") is not None:
+            kind = None
+        return _call_aside(st, func, args, kwargs, kind, ctx)
 
     @staticmethod
     def _lower(st, ctx, func, args):
-        """The common cast (matmuls, convolutions, no kwargs): the path below, trimmed.
+        """The common cast (matmuls, convolutions, no kwargs): ``_call_aside``, inlined.
 
-        Same steps as the general path in __torch_function__ (native-region check, Dynamo
-        and the aten level out of the way, casts, call), with _inside_native_region and
-        _pop_aten_level inlined because on tiny ops every Python call shows.
+        Same steps (native-region check, native autocast and Dynamo off, the aten level
+        aside, casts, call), written out because on tiny ops every Python call shows
+        (``python -m benchmarks --suite dispatch-overhead``, ``mm 8x8``).
         """
         _increment_nesting()
-        if _decrement_nesting() > st.native_nesting:
+        if _decrement_nesting() > st.native_depth:
             return func(*args)
         dynamo_hook = _disarm_dynamo()
+        devices = st.native_devices
+        for device in devices:
+            _set_native_enabled(device, False)
         aten_level = st.modes[1]
         depth = _len_dispatch_stack()
         popped = _pop_dispatch_stack(None) if depth and _dispatch_stack_at(depth - 1) is aten_level else None
@@ -489,6 +580,8 @@ class _FunctionLevel(TorchFunctionMode):
                 st.depth -= 1
             else:
                 _push_dispatch_stack(popped)
+            for device in devices:
+                _set_native_enabled(device, True)
             _rearm_dynamo(dynamo_hook)
 
     def _decompose(self, decomposition, func, args, kwargs):
@@ -512,15 +605,87 @@ class _FunctionLevel(TorchFunctionMode):
             st.expanding.discard(func)
 
 
-def _call_without_aten_level(st: _ThreadState, func, args, kwargs):
+def _call_aside(st: _ThreadState, func, args, kwargs, kind=None, ctx: DeviceContext | None = None):
+    """Runs one call the function level lets through, cast per ``kind`` (None: as given).
+
+    While it runs, native autocast is off for our devices (it would cast again with its
+    own table, see "Note: torch sees our state as native state") and Dynamo's frame hook
+    is disarmed (see "Note: Dynamo and our frames"). The aten level steps off the dispatch
+    stack when it has nothing to do inside: in an op cast here (native excludes autocast
+    inside the ops it handles), and in any op while grad mode records (it acts only where
+    autograd records nothing); there every aten op it saw would cost a Python call and
+    send some C++ composites down slower paths.
+    """
     dynamo_hook = _disarm_dynamo()
-    aten_level = _pop_aten_level(st)
+    devices = st.native_devices
+    for device in devices:
+        _set_native_enabled(device, False)
+    aten_level = None
+    if kind is not None:
+        aten_level = _pop_aten_level(st)
+        st.depth += 1
+    elif torch.is_grad_enabled():
+        aten_level = _pop_aten_level(st)
     try:
+        if kind is not None:
+            args, kwargs = cast_arguments(kind, ctx, args, kwargs, st, func)
         return func(*args, **kwargs) if kwargs else func(*args)
     finally:
+        if kind is not None:
+            st.depth -= 1
         if aten_level is not None:
             _push_dispatch_stack(aten_level)
+        for device in devices:
+            _set_native_enabled(device, True)
         _rearm_dynamo(dynamo_hook)
+
+
+# -- torch.utils.checkpoint under a policy that is not native's -------------------------
+# torch's checkpoint records torch's autocast state at the forward and recomputes under
+# torch.autocast with it during backward. Under a built-in policy that is our state (the
+# same dtype and the same table), so the recomputation equals the forward. Under a policy
+# whose kind for an op differs from native's, the recomputation would cast that op
+# differently: refuse, and name dispatch_amp.checkpoint, which recomputes under ours.
+_REENTRANT_CHECKPOINT_FORWARD = getattr(
+    getattr(torch.utils.checkpoint, "CheckpointFunction", None), "forward", None
+)
+_REENTRANT_CHECKPOINT_CODE = getattr(_REENTRANT_CHECKPOINT_FORWARD, "__code__", None)
+_DIFFERS_FROM_NATIVE: dict = {}
+
+
+def _refuse_torch_checkpoint(ctx: DeviceContext, func, kind) -> None:
+    if kind is EXPAND or kind is GETTER:
+        return  # the calls inside are checked one by one
+    key = (ctx.policy, ctx.device_type, func)
+    try:
+        differs = _DIFFERS_FROM_NATIVE[key]
+    except KeyError:
+        native = Policy.for_device(ctx.device_type).function_kind(func)
+        differs = _DIFFERS_FROM_NATIVE[key] = native is not kind and native is not EXPAND
+    except TypeError:  # an unhashable callable: never in a table
+        return
+    if differs and _inside_torch_checkpoint():
+        native = Policy.for_device(ctx.device_type).function_kind(func)
+        raise RuntimeError(
+            f"torch.utils.checkpoint inside dispatch_amp.autocast with policy "
+            f"{ctx.policy.name!r}: this policy casts {_op_name(func)} as {kind!r} where "
+            f"native autocast's {ctx.device_type} table says {native!r}, and torch's "
+            f"checkpoint recomputes the region during backward under native torch.autocast, "
+            f"so the recomputed activations would differ from the forward's. Use "
+            f"dispatch_amp.checkpoint (same arguments), which recomputes under this policy."
+        )
+
+
+def _inside_torch_checkpoint() -> bool:
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint":
+        return True  # the non-reentrant variant packs saved tensors with its own hooks
+    frame = sys._getframe(2)
+    while frame is not None:  # the reentrant variant runs the function in its forward
+        if frame.f_code is _REENTRANT_CHECKPOINT_CODE:
+            return True
+        frame = frame.f_back
+    return False
 
 
 # -- the aten level (below autograd) ----------------------------------------------------

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
+import warnings
 
 import torch
 
@@ -33,22 +35,41 @@ _DEVICES: dict[str, tuple[torch.dtype, tuple[torch.dtype, ...]]] = {
 
 
 def _check_device_type(device_type) -> str:
+    # Exception types follow torch.autocast's (ValueError for a non-string, RuntimeError
+    # for an unknown device type) so code that catches them behaves the same.
     if isinstance(device_type, torch.device):
-        raise TypeError(
+        raise ValueError(
             f"device_type must be a string such as 'cuda' or 'cpu', got torch.device "
             f"{str(device_type)!r}; pass device.type"
         )
     if not isinstance(device_type, str):
-        raise TypeError(
+        raise ValueError(
             f"device_type must be a string, one of {sorted(_DEVICES)}, "
             f"got {type(device_type).__name__}"
         )
     if device_type not in _DEVICES:
-        raise ValueError(
+        raise RuntimeError(
             f"unsupported device_type {device_type!r}: dispatch_amp.autocast supports "
             f"{sorted(_DEVICES)}"
         )
     return device_type
+
+
+def _usable(device_type: str, dtype: torch.dtype) -> str | None:
+    """Why an enabled region of this device type and dtype cannot cast here, or None.
+
+    As torch.autocast does, such a region warns and runs disabled instead of raising.
+    """
+    if device_type == "cuda" and not torch.cuda.is_available():
+        return "autocast('cuda') is enabled, but CUDA is not available; disabling autocast in this region"
+    supported = _DEVICES[device_type][1]
+    if dtype not in supported:
+        names = " or ".join(str(d) for d in supported)
+        return (
+            f"autocast({device_type!r}) supports dtype {names}, got {dtype}; disabling "
+            f"autocast in this region (pass enabled=False to run in {dtype} without this warning)"
+        )
+    return None
 
 
 class autocast:
@@ -58,18 +79,24 @@ class autocast:
         device_type: ``"cuda"`` or ``"cpu"``; only floating tensors on this device type
             are cast.
         dtype: the lower precision, ``torch.float16`` or ``torch.bfloat16``; ``None``
-            means the device's default (cuda: float16, cpu: bfloat16).
+            means ``torch.get_autocast_dtype(device_type)`` when the context is made (the
+            device's default, cuda: float16, cpu: bfloat16, unless a region changed it).
+            As with ``torch.autocast``, an enabled region with another dtype, or a
+            ``"cuda"`` region without CUDA, warns and runs disabled.
         enabled: ``False`` turns autocast off inside this region (also inside an outer
-            enabled region).
+            enabled region, ours or native).
         cache_enabled: cache the lower-precision copy of each weight (a leaf tensor that
             requires grad) for the outermost enabled region, so a weight used several
-            times is cast once.
+            times is cast once; ``None`` means ``torch.is_autocast_cache_enabled()``.
         policy: the op table to apply; ``None`` means ``Policy.for_device(device_type)``.
             ``Policy.for_device("cuda")`` with ``device_type="cpu"`` applies the CUDA
             table to CPU tensors.
 
-    Contexts nest: the innermost one wins, and the outer state returns on exit, also when
-    an exception escapes. State is per thread, like native autocast. As with native AMP,
+    Contexts nest, with each other and with ``torch.autocast``: the innermost one wins,
+    and the outer state returns on exit, also when an exception escapes. State is per
+    thread, like native autocast. Inside the region torch reports it as native autocast
+    (``torch.is_autocast_enabled``, ``torch.get_autocast_dtype``), so code written for
+    torch behaves as it would under ``torch.autocast``. As with native AMP,
     run the forward pass and the loss inside the context and ``backward()`` outside.
 
     Example::
@@ -91,21 +118,18 @@ class autocast:
         policy: Policy | None = None,
     ):
         device_type = _check_device_type(device_type)
-        default, supported = _DEVICES[device_type]
         if dtype is None:
-            dtype = default
+            # As native: the dtype torch reports now (the device's default, or that of an
+            # enclosing region), read when the context is made.
+            dtype = torch.get_autocast_dtype(device_type)
         elif not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
-        elif dtype not in supported:
-            names = " or ".join(str(d) for d in supported)
-            raise ValueError(
-                f"autocast({device_type!r}) supports dtype {names}, got {dtype}; "
-                f"to run in {dtype}, leave autocast off (enabled=False)"
-            )
         if not isinstance(enabled, bool):
             raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
-        if not isinstance(cache_enabled, bool):
-            raise TypeError(f"cache_enabled must be a bool, got {type(cache_enabled).__name__}")
+        if cache_enabled is None:
+            cache_enabled = torch.is_autocast_cache_enabled()
+        elif not isinstance(cache_enabled, bool):
+            raise TypeError(f"cache_enabled must be a bool or None, got {type(cache_enabled).__name__}")
         if policy is None:
             policy = Policy.for_device(device_type)
         elif not isinstance(policy, Policy):
@@ -113,12 +137,18 @@ class autocast:
                 f"policy must be a dispatch_amp.Policy (e.g. Policy.for_device('cuda')), "
                 f"got {type(policy).__name__}"
             )
+        if enabled:
+            reason = _usable(device_type, dtype)
+            if reason is not None:
+                warnings.warn(reason, stacklevel=2)
+                enabled = False
         self.device_type = device_type
         self.fast_dtype = dtype
         self.enabled = enabled
         self.cache_enabled = cache_enabled
         self.policy = policy
-        self._entered = 0
+        # thread id -> what each open entry of this object restores on exit (innermost last)
+        self._open: dict[int, list[_engine.NativeState]] = {}
 
     def _context(self) -> _engine.DeviceContext:
         return _engine.DeviceContext(
@@ -126,20 +156,33 @@ class autocast:
         )
 
     def __enter__(self) -> autocast:
-        frame = dict(_engine.current_frame())
-        frame[self.device_type] = self._context()
-        _engine.push_frame(frame)
-        self._entered += 1
+        saved = _engine.enter(self._context())
+        self._open.setdefault(threading.get_ident(), []).append(saved)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if self._entered == 0:
-            raise RuntimeError("autocast.__exit__ called without a matching __enter__")
-        self._entered -= 1
-        _engine.pop_frame()
+        thread = threading.get_ident()
+        entries = self._open.get(thread)
+        if not entries:
+            elsewhere = sorted(t for t, e in self._open.items() if e)
+            where = f"it is open in thread(s) {elsewhere}" if elsewhere else "it is not open in any thread"
+            raise RuntimeError(
+                f"autocast.__exit__ called in thread {thread} without a matching __enter__ "
+                f"in that thread ({where}). Autocast state is per thread: exit a context in "
+                f"the thread that entered it, and open one with `with autocast(...)` in each thread."
+            )
+        saved = entries.pop()
+        if not entries:
+            del self._open[thread]
+        _engine.leave(saved)
 
     def __call__(self, func):
-        """Decorates ``func`` (or a generator function) to run inside this context."""
+        """Decorates ``func`` to run inside this context (generator functions are refused)."""
+        if not callable(func):
+            raise TypeError(
+                f"autocast(...)(func) expects a callable, got {type(func).__name__}; to run "
+                f"code in the region use it as a context manager: `with autocast(...):`"
+            )
         if inspect.isgeneratorfunction(func) or inspect.iscoroutinefunction(func):
             raise TypeError(
                 "autocast cannot decorate a generator or coroutine function: the context "
@@ -163,19 +206,23 @@ class autocast:
 
 
 def is_autocast_enabled(device_type: str = "cuda") -> bool:
-    """Whether a ``dispatch_amp.autocast`` region is enabled for ``device_type`` here.
+    """Whether autocast is enabled for ``device_type`` here: ours or native, the innermost wins.
+
+    The same answer as ``torch.is_autocast_enabled(device_type)``, which reports our
+    regions too.
 
     Example::
 
         with amp.autocast("cpu"):
             assert amp.is_autocast_enabled("cpu") and not amp.is_autocast_enabled("cuda")
     """
-    ctx = _engine.current_frame().get(_check_device_type(device_type))
-    return bool(ctx and ctx.enabled)
+    return torch.is_autocast_enabled(_check_device_type(device_type))
 
 
 def get_autocast_dtype(device_type: str = "cuda") -> torch.dtype:
     """The lower-precision dtype in force for ``device_type`` (its default outside any region).
+
+    The same answer as ``torch.get_autocast_dtype(device_type)``.
 
     Example::
 
@@ -183,5 +230,4 @@ def get_autocast_dtype(device_type: str = "cuda") -> torch.dtype:
         with amp.autocast("cpu", dtype=torch.float16):
             amp.get_autocast_dtype("cpu")           # torch.float16
     """
-    ctx = _engine.current_frame().get(_check_device_type(device_type))
-    return ctx.dtype if ctx is not None else _DEVICES[device_type][0]
+    return torch.get_autocast_dtype(_check_device_type(device_type))
