@@ -91,6 +91,8 @@ def _no_dynamo_hook():
 _disarm_dynamo = functools.partial(_set_eval_frame, None) if _set_eval_frame else _no_dynamo_hook
 _rearm_dynamo = _set_eval_frame or (lambda hook: None)
 _float32 = torch.float32
+_enable_grad = torch.enable_grad
+_inference_mode_on = torch.is_inference_mode_enabled
 _float64 = torch.float64
 
 
@@ -134,7 +136,7 @@ class _ThreadState(threading.local):
         # The installed pair of modes and the frame index that installed them.
         self.modes: tuple | None = None
         self.installer: int = -1
-        # Weight-cast cache: (id(src), dtype, grad_mode) -> (src, src._version, cast).
+        # Weight-cast cache: (id(src), dtype) -> (src, src._version, cast).
         self.cache: dict = {}
         # >0 while an op cast by the function level runs: the aten level stands aside.
         self.depth: int = 0
@@ -332,22 +334,27 @@ def _cast_one(t: _Tensor, dtype: torch.dtype, ctx: DeviceContext, st: _ThreadSta
     if t_dtype is dtype or t_dtype is _float64 or not t.is_floating_point() or not ctx.on_device(t):
         return t
     to = _CAST_METHODS.get(dtype)
-    # Native caches lower-precision casts of fp32 leaves that require grad (weights).
-    # The grad mode is part of the key: a cast made under no_grad has no history and
-    # must not be handed to a later op that records one.
-    # Inference tensors have no version counter, so they are never cached.
+    # Native caches lower-precision casts of fp32 leaves that require grad (weights), and
+    # makes each such cast with grad mode on, so one cached cast serves no_grad and grad
+    # mode alike and has requires_grad=True in both (matmul's path choice reads it).
+    # Inference tensors have no version counter, and a cast made under inference_mode is
+    # one: neither is cached (native does not reuse those either).
     if (
         ctx.cache_enabled
-        and dtype is ctx.dtype
         and t.requires_grad
+        and t_dtype is _float32
+        and dtype is ctx.dtype
         and t.is_leaf
+        and not t._is_view()
         and not t.is_inference()
+        and not _inference_mode_on()
     ):
-        key = (id(t), dtype, torch.is_grad_enabled())
+        key = (id(t), dtype)
         hit = st.cache.get(key)
         if hit is not None and hit[0] is t and hit[1] == t._version:
             return hit[2]
-        out = to(t) if to is not None else t.to(dtype)
+        with _enable_grad():
+            out = to(t) if to is not None else t.to(dtype)
         st.cache[key] = (t, t._version, out)
         return out
     return to(t) if to is not None else t.to(dtype)

@@ -1,12 +1,12 @@
 """``checkpoint``: ``torch.utils.checkpoint.checkpoint`` that recomputes under our autocast.
 
 Activation checkpointing reruns the forward during ``backward()``. PyTorch's checkpoint
-records the *native* autocast state and restores it for the rerun; it cannot know about
-``dispatch_amp.autocast``, so inside our context a plain ``torch.utils.checkpoint``
-reruns the forward without casts: the non-reentrant variant raises ``CheckpointError``
-(the recomputed tensors have other dtypes) and the reentrant one computes the backward
-from float32 activations instead of native's low-precision ones. This wrapper records
-our state at the forward and reopens it for the rerun, for both variants.
+records torch's autocast state and reruns under ``torch.autocast`` with it. Inside our
+context torch reports our dtype, so under a built-in policy (native's own table) torch's
+checkpoint recomputes exactly what the forward computed and needs nothing from us. Under
+any other policy native's table would decide the rerun's casts, so the engine refuses
+torch's checkpoint there with an error naming this function, which records our state at
+the forward and reopens it for the rerun, for both variants.
 
 Example::
 
@@ -63,10 +63,17 @@ def checkpoint(function, *args, use_reentrant: bool | None = None, **kwargs):
     def rerun_under_forward_state(*inner_args, **inner_kwargs):
         # The first call is the forward itself, inside the caller's context; later calls
         # are recomputations during backward, where the caller's context is closed.
-        if _engine.current_frame() == frame:
-            return function(*inner_args, **inner_kwargs)
-        with _reopen(frame):
-            return function(*inner_args, **inner_kwargs)
+        # The function runs marked as ours: the engine's refusal of torch's checkpoint
+        # under a policy that is not native's does not apply to this one.
+        state = _engine.STATE
+        state.own_checkpoint += 1
+        try:
+            if _engine.current_frame() == frame:
+                return function(*inner_args, **inner_kwargs)
+            with _reopen(frame):
+                return function(*inner_args, **inner_kwargs)
+        finally:
+            state.own_checkpoint -= 1
 
     return torch.utils.checkpoint.checkpoint(
         rerun_under_forward_state, *args, use_reentrant=use_reentrant, **kwargs

@@ -1,0 +1,471 @@
+"""Code written for torch sees ``dispatch_amp.autocast`` exactly as it sees ``torch.autocast``.
+
+A differential suite: each test runs the same code under native autocast and under ours
+and compares dtypes, values and gradients (bit for bit where the casts are the same), and
+errors. See "Note: torch sees our state as native state" in ``_engine.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint as torch_checkpoint
+from hypothesis import given
+from hypothesis import strategies as st
+
+import dispatch_amp as amp
+from dispatch_amp import _engine
+
+KEEP_MM_FP32 = amp.Policy.for_device("cpu").with_ops(fp32=["mm", "linear", "addmm"], name="keep-mm-fp32")
+
+
+def native(**kwargs):
+    return torch.autocast("cpu", **kwargs)
+
+
+def ours(**kwargs):
+    return amp.autocast("cpu", **kwargs)
+
+
+BOTH = pytest.mark.parametrize("region", [native, ours], ids=["native", "ours"])
+
+
+@pytest.fixture(autouse=True)
+def no_state_leaks():
+    yield
+    assert _engine.STATE.frames == [] and _engine.STATE.modes is None
+    assert not torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    assert torch.is_autocast_cache_enabled()
+
+
+def queries():
+    return (
+        torch.is_autocast_enabled("cpu"),
+        torch.is_autocast_enabled(),
+        torch.get_autocast_dtype("cpu"),
+        torch.is_autocast_cache_enabled(),
+        torch._C._is_any_autocast_enabled(),
+        amp.is_autocast_enabled("cpu"),
+        amp.get_autocast_dtype("cpu"),
+    )
+
+
+def same(a, b):
+    """Bit-identical tensors (nested in tuples/lists), dtypes included."""
+    if isinstance(a, (tuple, list)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            same(x, y)
+        return
+    assert a.dtype == b.dtype, (a.dtype, b.dtype)
+    assert torch.equal(a, b), (a - b).abs().max()
+
+
+def grads(*modules_or_tensors):
+    out = []
+    for m in modules_or_tensors:
+        if isinstance(m, torch.Tensor):
+            out.append(m.grad.clone())
+            m.grad = None
+        else:
+            for p in m.parameters():
+                out.append(p.grad.clone())
+                p.grad = None
+    return out
+
+
+# -- 1. torch's state queries ---------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"dtype": torch.float16}, {"cache_enabled": False}, {"enabled": False}, {"dtype": torch.float16, "enabled": False}],
+    ids=["default", "fp16", "no-cache", "disabled", "disabled-fp16"],
+)
+def test_state_queries_answer_as_native(kwargs):
+    with native(**kwargs):
+        want = queries()
+    with ours(**kwargs):
+        got = queries()
+    assert got == want
+
+
+def test_native_never_casts_under_a_policy_that_differs():
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    lin = nn.Linear(8, 8)
+    with ours(policy=KEEP_MM_FP32):
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        assert torch.mm(a, b).dtype == torch.float32
+        assert lin(a).dtype == torch.float32
+        with torch.no_grad():
+            assert lin(a).dtype == torch.float32 and torch.mm(a, b).dtype == torch.float32
+        # Ops the policy still casts are cast, by us.
+        assert torch.bmm(a[None], b[None]).dtype == torch.bfloat16
+        assert torch.is_autocast_enabled("cpu")
+
+
+# -- 2. modules and functions that ask torch ------------------------------------------
+@pytest.mark.parametrize("cls", [nn.RNN, nn.LSTM, nn.GRU])
+@pytest.mark.parametrize("grad", [False, True], ids=["nograd", "grad"])
+def test_recurrent_modules_with_bf16_weights_take_float32_input(cls, grad):
+    torch.manual_seed(0)
+    module = cls(8, 8, num_layers=2).to(torch.bfloat16)
+    x = torch.randn(5, 3, 8, requires_grad=grad)
+    outs = {}
+    for region in (native, ours):
+        with torch.set_grad_enabled(grad), region():
+            out, _ = module(x)
+        if grad:
+            out.float().sum().backward()
+            outs[region] = (out, *grads(module, x))
+        else:
+            outs[region] = (out,)
+    same(outs[ours], outs[native])
+    with pytest.raises(ValueError, match="does not match weight dtype"):
+        module(x)  # outside autocast torch refuses, as it should
+
+
+class ThirdPartyMatmul(torch.autograd.Function):
+    """Written for torch: decorated with torch.amp's custom_fwd/custom_bwd, not ours."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a @ b
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        return grad @ b.t(), a.t() @ grad
+
+
+class ThirdPartyFollowsAutocast(torch.autograd.Function):
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu")
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a @ b
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        return grad @ b.t().to(grad.dtype), a.t().to(grad.dtype) @ grad
+
+
+@pytest.mark.parametrize("function", [ThirdPartyMatmul, ThirdPartyFollowsAutocast])
+def test_torch_custom_fwd_in_a_third_party_function(function):
+    torch.manual_seed(0)
+    a = torch.randn(4, 4, requires_grad=True)
+    b = torch.randn(4, 4, requires_grad=True)
+    results = {}
+    for region in (native, ours):
+        with region():
+            out = function.apply(a.bfloat16(), b)
+        out.float().sum().backward()
+        results[region] = (out, *grads(a, b))
+    same(results[ours], results[native])
+    want = torch.float32 if function is ThirdPartyMatmul else torch.bfloat16
+    assert results[ours][0].dtype == want
+
+
+def float32_island(q, k):
+    """The helper libraries (Hugging Face transformers among them) use to keep a part in
+    float32: it opens a disabled region only when torch says autocast is on."""
+    if torch.is_autocast_enabled(q.device.type):
+        with torch.autocast(q.device.type, enabled=False):
+            return torch.matmul(q.float(), k.float().transpose(-1, -2))
+    return torch.matmul(q, k.transpose(-1, -2))
+
+
+def test_library_float32_island_opens_under_ours():
+    torch.manual_seed(0)
+    proj = nn.Linear(16, 16)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    results = {}
+    for region in (native, ours):
+        with region():
+            q = proj(x)
+            scores = float32_island(q, q)
+            loss = scores.softmax(-1).sum()
+        loss.backward()
+        results[region] = (scores, loss, *grads(proj, x))
+    same(results[ours], results[native])
+    assert results[ours][0].dtype == torch.float32
+
+
+# -- 3. activation checkpointing ------------------------------------------------------
+def block():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 16), nn.Softmax(-1))
+
+
+CHECKPOINTS = {
+    "non-reentrant": lambda f, x: torch_checkpoint.checkpoint(f, x, use_reentrant=False),
+    "reentrant": lambda f, x: torch_checkpoint.checkpoint(f, x, use_reentrant=True),
+    "sequential": lambda f, x: torch_checkpoint.checkpoint_sequential(f, 2, x, use_reentrant=False),
+    "sequential-reentrant": lambda f, x: torch_checkpoint.checkpoint_sequential(f, 2, x, use_reentrant=True),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(CHECKPOINTS))
+def test_torch_checkpoint_unchanged_inside_ours(variant):
+    run = CHECKPOINTS[variant]
+    results = {}
+    for region in (native, ours):
+        model = block()
+        x = torch.randn(4, 16, requires_grad=True, generator=torch.Generator().manual_seed(1))
+        with region():
+            out = run(model, x)
+        out.float().sum().backward()  # outside the context, as usual
+        results[region] = (out, *grads(model, x))
+    same(results[ours], results[native])
+
+
+@pytest.mark.parametrize("variant", sorted(CHECKPOINTS))
+def test_torch_checkpoint_under_a_differing_policy_raises_and_names_ours(variant):
+    model = block()
+    x = torch.randn(4, 16, requires_grad=True)
+    with ours(policy=KEEP_MM_FP32), pytest.raises(RuntimeError, match="dispatch_amp.checkpoint"):
+        CHECKPOINTS[variant](model, x)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_our_checkpoint_recomputes_under_a_differing_policy(use_reentrant):
+    results = {}
+    for checkpointed in (False, True):
+        model = block()
+        x = torch.randn(4, 16, requires_grad=True, generator=torch.Generator().manual_seed(1))
+        with ours(policy=KEEP_MM_FP32):
+            out = amp.checkpoint(model, x, use_reentrant=use_reentrant) if checkpointed else model(x)
+        out.sum().backward()
+        results[checkpointed] = (out, *grads(model, x))
+    same(results[True], results[False])
+
+
+# -- 4. nesting, in any order ---------------------------------------------------------
+REGION = st.tuples(
+    st.sampled_from(["native", "ours"]),
+    st.booleans(),
+    st.sampled_from([None, torch.bfloat16, torch.float16]),
+)
+
+
+def _observe():
+    a = torch.randn(4, 4)
+    return (torch.mm(a, a).dtype, torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+
+
+def _run_nested(stack, all_native):
+    seen = []
+
+    def enter(depth):
+        if depth == len(stack):
+            return
+        kind, enabled, dtype = stack[depth]
+        make = torch.autocast if all_native or kind == "native" else amp.autocast
+        with make("cpu", dtype=dtype, enabled=enabled):
+            seen.append(_observe())
+            enter(depth + 1)
+            seen.append(_observe())
+        seen.append(_observe())
+
+    enter(0)
+    return seen
+
+
+@given(st.lists(REGION, min_size=1, max_size=5))
+def test_any_nesting_order_follows_natives_rule(stack):
+    """The innermost region wins, ours or native, enabled or not, whatever its dtype."""
+    assert _run_nested(stack, all_native=False) == _run_nested(stack, all_native=True)
+
+
+def test_named_nesting_cases():
+    a = torch.randn(4, 4)
+    with native():
+        with ours(enabled=False):
+            assert torch.mm(a, a).dtype == torch.float32
+        with ours(dtype=torch.float16):
+            assert torch.mm(a, a).dtype == torch.float16
+    with ours():
+        with native(enabled=False):
+            assert torch.mm(a, a).dtype == torch.float32
+            with ours():
+                assert torch.mm(a, a).dtype == torch.bfloat16
+        with native(dtype=torch.float16):
+            assert torch.mm(a, a).dtype == torch.float16
+
+
+# -- 5. construction as torch.autocast --------------------------------------------------
+@pytest.mark.parametrize(
+    "args, kwargs",
+    [
+        (("cpu",), {"dtype": torch.float32, "enabled": False}),
+        (("cpu",), {"dtype": torch.float32}),
+        (("cpu",), {"cache_enabled": None}),
+        (("cuda",), {}),
+    ],
+    ids=["fp32-disabled", "fp32-enabled", "cache-none", "cuda-without-cuda"],
+)
+def test_construction_as_native(args, kwargs):
+    a = torch.randn(4, 4)
+    outcome = {}
+    for make in (torch.autocast, amp.autocast):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with make(*args, **kwargs):
+                outcome[make] = (queries(), torch.mm(a, a).dtype, bool(caught))
+    assert outcome[amp.autocast] == outcome[torch.autocast]
+
+
+def test_calling_a_context_on_a_tensor_is_a_type_error():
+    for make in (torch.autocast, amp.autocast):
+        with pytest.raises(TypeError):
+            make("cpu")(torch.ones(1))
+
+
+# -- 6. the weight-cast cache ---------------------------------------------------------
+def _aten_trace(fn):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    names = []
+
+    class Trace(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    # Both regions are entered first, so the trace sees only the calls inside them.
+    return names, Trace
+
+
+@pytest.mark.parametrize("warm_under_grad", [False, True])
+def test_cached_casts_behave_as_natives_under_no_grad(warm_under_grad):
+    """A Linear on a non-contiguous 3-D input under no_grad: torch picks the matmul path
+    by looking at requires_grad of the (cached) weight cast; the path must be native's."""
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    x = torch.randn(5, 4, 8).transpose(0, 1)
+    from torch.profiler import ProfilerActivity, profile
+
+    results = {}
+    for region in (native, ours):
+        with region():
+            if warm_under_grad:
+                lin(x.contiguous())
+            with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+                out = lin(x)
+        ops = [e.name for e in prof.events() if e.name in ("aten::mm", "aten::bmm", "aten::addmm", "aten::clone", "aten::contiguous")]
+        results[region] = (out, ops, out.requires_grad)
+    same(results[ours][0], results[native][0])
+    assert results[ours][1:] == results[native][1:]
+
+
+@pytest.mark.parametrize("order", ["nograd-grad", "inference-grad", "grad-nograd"])
+def test_one_cached_cast_serves_every_grad_mode_as_natives(order):
+    """Native makes cached casts with grad mode on: a weight first used under no_grad or
+    inference_mode still gets its gradient when the same region later records."""
+    results = {}
+    for region in (native, ours):
+        torch.manual_seed(0)
+        lin = nn.Linear(8, 8)
+        x = torch.randn(4, 8)
+        first, second = order.split("-")
+        modes = {"nograd": torch.no_grad, "inference": torch.inference_mode, "grad": torch.enable_grad}
+        with region():
+            with modes[first]():
+                a = lin(x)
+            with modes[second]():
+                b = lin(x)
+        recorded = b if second == "grad" else a
+        flags = (a.requires_grad, b.requires_grad)
+        if recorded.requires_grad:
+            recorded.float().sum().backward()
+            results[region] = (flags, (a, b, *grads(lin)))
+        else:
+            results[region] = (flags, (a, b))
+    assert results[ours][0] == results[native][0]
+    same(results[ours][1], results[native][1])
+
+
+def test_cache_lives_for_the_outermost_region_as_natives():
+    lin = nn.Linear(8, 8)
+    x = torch.randn(2, 8)
+    with ours():
+        lin(x)
+        assert _engine.STATE.cache
+        with native(enabled=False):
+            pass
+        assert _engine.STATE.cache  # a nested region's exit does not clear it
+    assert not _engine.STATE.cache
+    with ours(cache_enabled=False):
+        lin(x)
+        assert not _engine.STATE.cache
+
+
+# -- 7. threads -----------------------------------------------------------------------
+def test_exit_in_another_thread_is_refused_and_changes_nothing():
+    region = ours()
+    region.__enter__()
+    errors = []
+
+    def wrong_exit():
+        try:
+            region.__exit__(None, None, None)
+        except RuntimeError as e:
+            errors.append(str(e))
+        errors.append(torch.is_autocast_enabled("cpu"))
+
+    t = threading.Thread(target=wrong_exit)
+    t.start()
+    t.join()
+    assert "without a matching __enter__ in that thread" in errors[0] and errors[1] is False
+    a = torch.randn(4, 4)
+    assert torch.mm(a, a).dtype == torch.bfloat16 and torch.is_autocast_enabled("cpu")
+    region.__exit__(None, None, None)
+    assert torch.mm(a, a).dtype == torch.float32
+
+
+def test_one_context_object_open_in_two_threads():
+    region = ours()
+    barrier = threading.Barrier(2)
+    seen = []
+
+    def worker():
+        with region:
+            barrier.wait()
+            a = torch.randn(4, 4)
+            seen.append(torch.mm(a, a).dtype)
+            barrier.wait()
+        seen.append(torch.is_autocast_enabled("cpu"))
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(map(str, seen)) == sorted(map(str, [torch.bfloat16, torch.bfloat16, False, False]))
+
+
+# -- 8. what stays different ----------------------------------------------------------
+def test_transformer_fast_path_is_skipped_under_ours_as_documented():
+    """torch skips nn.TransformerEncoderLayer's fused inference path whenever a torch
+    function mode is active; ours then runs the module's ordinary path (README)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True).eval()
+    src = torch.randn(2, 5, 16)
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    mask[:, -1] = True
+    for kwargs in ({}, {"src_key_padding_mask": mask}):
+        with torch.no_grad():
+            with native():
+                want = layer(src, **kwargs)
+            with ours():
+                got = layer(src, **kwargs)
+        assert want.dtype == torch.bfloat16 and got.dtype == torch.float32
+        torch.testing.assert_close(got, want.float(), atol=3e-2, rtol=3e-2)
