@@ -532,20 +532,26 @@ class _FunctionLevel(TorchFunctionMode):
             kind = ctx.policy.function_kind(func)
         if ctx.custom and not st.own_checkpoint:
             _refuse_torch_checkpoint(ctx, func, kind)
+        if kind is None:
+            # Not cast. Native autocast stays as it is unless the policy is not native's
+            # (native_devices), and only then must a native region inside ours be seen here.
+            if st.native_devices and _inside_native_region(st):
+                return func(*args, **kwargs) if kwargs else func(*args)
+            return _call_aside(st, func, args, kwargs)
         if kind is LOWER and not kwargs:
             return self._lower(st, ctx, func, args)
         if kind is GETTER:
             return func(*args, **kwargs) if kwargs else func(*args)
         if kind is EXPAND:
             return self._expand(st, func, args, kwargs)
-        if kind is not None and kind.__class__ is not str:
+        if kind.__class__ is not str:
             return self._decompose(kind, func, args, kwargs)
         # Inside a native torch.autocast region (enabled or not) native rules.
         if _inside_native_region(st):
             return func(*args, **kwargs) if kwargs else func(*args)
         # Python wrappers such as torch.tensordot forward out=None explicitly; a real out=
         # is never cast (native does not cast out= overloads either).
-        if kind is not None and kwargs and kwargs.get("out") is not None:
+        if kwargs and kwargs.get("out") is not None:
             kind = None
         return _call_aside(st, func, args, kwargs, kind, ctx)
 
