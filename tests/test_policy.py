@@ -91,3 +91,28 @@ def test_custom_op_can_be_added_and_is_cast():
         assert torch.ops.dispatch_amp_test.scale2.default(x).dtype == torch.bfloat16
     with amp.autocast("cpu"):
         assert torch.ops.dispatch_amp_test.scale2(x).dtype == torch.float32
+
+
+def test_a_policy_read_back_from_json_casts_like_the_original():
+    """Kinds given as strings (here parsed from JSON, so not the interned constants) become
+    CastKind members when the policy is built, and the engine casts with them."""
+    import json
+
+    import dispatch_amp as amp
+
+    table = json.loads(json.dumps(Policy.for_device("cpu").with_ops(fp32=["mm"]).table()))
+    policy = Policy(table, name="from-json")
+    assert policy == Policy.for_device("cpu").with_ops(fp32=["mm"])
+    assert all(type(kind) is op_tables.CastKind for kind in policy.rules.values())
+    a = torch.randn(4, 4)
+    with amp.autocast("cpu", policy=policy):
+        assert torch.mm(a, a).dtype == torch.float32
+        assert torch.bmm(a[None], a[None]).dtype == torch.bfloat16
+        assert torch.nn.functional.softmax(a.bfloat16(), -1).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="unknown cast kind"):
+        Policy({"lowr": ["mm"]})
+
+
+def test_cast_kinds_compare_as_their_strings():
+    assert op_tables.CastKind.LOWER == "lower" and Policy.for_device("cpu").kind_of("mm") == "lower"
+    assert repr(op_tables.CastKind.FP32) == "'fp32'" and f"{op_tables.CastKind.FP32}" == "fp32"

@@ -403,6 +403,14 @@ def test_cache_lives_for_the_outermost_region_as_natives():
             pass
         assert _engine.STATE.cache  # a nested region's exit does not clear it
     assert not _engine.STATE.cache
+    with ours():
+        lin(x)
+        torch.clear_autocast_cache()
+        assert _engine.STATE.cache  # torch's function cannot reach ours
+        amp.clear_autocast_cache()
+        assert not _engine.STATE.cache
+        lin.weight.data.mul_(2)  # invisible to the version counter
+        torch.testing.assert_close(lin(x).float(), x @ lin.weight.t() + lin.bias, atol=0.1, rtol=0.02)
     with ours(cache_enabled=False):
         lin(x)
         assert not _engine.STATE.cache

@@ -16,6 +16,9 @@ import torch
 
 import dispatch_amp as amp
 
+# transformers 5 renamed gradient_checkpointing_enable; the old name is what most code calls.
+pytestmark = pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
+
 if os.environ.get("CI") == "true":  # CI installs the test extra: these must run there
     import transformers
 else:

@@ -15,6 +15,7 @@ __all__ = [
     "autocast",
     "is_autocast_enabled",
     "get_autocast_dtype",
+    "clear_autocast_cache",
     "Policy",
     "custom_fwd",
     "custom_bwd",
@@ -34,7 +35,7 @@ __all__ = [
     "plot_training",
 ]
 
-from .autocast import autocast, get_autocast_dtype, is_autocast_enabled  # noqa: E402
+from .autocast import autocast, clear_autocast_cache, get_autocast_dtype, is_autocast_enabled  # noqa: E402
 from .policy import Policy  # noqa: E402
 from .checkpoint import checkpoint  # noqa: E402
 from .custom_function import custom_bwd, custom_fwd  # noqa: E402

@@ -5,7 +5,8 @@ Note: cast where native casts
 Native autocast decides above autograd, at composite ops before they decompose and at
 primitive aten ops, so autograd records the casts and saves the low-precision copies.
 A ``TorchDispatchMode`` alone sits below autograd and after decomposition, and cannot do
-that (DESIGN.md fact 1). So the engine has two levels that read one ``Policy``:
+that: autograd would record nothing of its casts. So the engine has two levels that read
+one ``Policy``:
 
 - ``_FunctionLevel`` (a ``TorchFunctionMode``, above autograd) casts every call whose
   aten name is in the policy: ``F.linear``, ``torch.mm``, ``F.cross_entropy`` whole.
@@ -56,13 +57,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.utils.checkpoint
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import _torch_compat
 from .composites import NOT_HANDLED
-from .op_tables import BANNED, FP32, FP32_UNLESS_DTYPE, LOWER, PROMOTE
-from .policy import EXPAND, GETTER, Policy
+from .op_tables import BANNED, FP32, FP32_UNLESS_DTYPE, LOWER, PROMOTE, CastKind
+from ._routing import EXPAND, GETTER, Routes, is_torch_python_function, routes_for
+from .policy import Policy
 
 _Tensor = torch.Tensor
 
@@ -76,23 +78,18 @@ _Tensor = torch.Tensor
 # those spans (two C calls, what torch._dynamo.disable does) and mark the aten handler's
 # own code as skipped, which replaces torch's heavier default shim around
 # __torch_dispatch__.
-try:
-    from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
-    from torch._dynamo.eval_frame import skip_code as _skip_code
-except ImportError:  # pragma: no cover - depends on the torch version
-    _set_eval_frame = _skip_code = None
-
-
-def _no_dynamo_hook():
-    return None
-
-
+_set_eval_frame = _torch_compat.set_eval_frame
+_skip_code = _torch_compat.skip_code
 # A partial is called from C: cheaper than a lambda on a path that runs for every cast op.
-_disarm_dynamo = functools.partial(_set_eval_frame, None) if _set_eval_frame else _no_dynamo_hook
-_rearm_dynamo = _set_eval_frame or (lambda hook: None)
+_disarm_dynamo = functools.partial(_set_eval_frame, None)
+_rearm_dynamo = _set_eval_frame
 _float32 = torch.float32
+# torch hands handlers kwargs=None or {}; calling with **{} costs what calling without
+# costs, so every call site passes kwargs through as this. Never mutated.
+_NO_KWARGS: dict = {}
 _enable_grad = torch.enable_grad
 _inference_mode_on = torch.is_inference_mode_enabled
+_is_view = _torch_compat.tensor_is_view
 _float64 = torch.float64
 
 
@@ -109,6 +106,8 @@ class DeviceContext:
     on_device: Callable[[torch.Tensor], bool] = field(init=False, repr=False, compare=False)
     # Whether the policy is not native autocast's table for this device type.
     custom: bool = field(init=False, repr=False, compare=False)
+    # How the engine handles each call under the policy (see _routing.py).
+    routes: Routes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         test = _DEVICE_TESTS.get(self.device_type)
@@ -116,6 +115,7 @@ class DeviceContext:
         object.__setattr__(self, "on_device", test if test is not None else (lambda t: t.device.type == device_type))
         native = Policy.for_device(device_type)
         object.__setattr__(self, "custom", self.policy is not native and self.policy != native)
+        object.__setattr__(self, "routes", routes_for(self.policy))
 
 
 class _ThreadState(threading.local):
@@ -144,9 +144,6 @@ class _ThreadState(threading.local):
         self.expanding: set = set()
         # >0 while dispatch_amp.checkpoint runs its function: it recomputes under our state.
         self.own_checkpoint: int = 0
-        # (device type, dtype) -> enabled contexts entered so far on this thread; GradScaler
-        # compares counts to tell whether bfloat16 autocast ran since it last looked.
-        self.entries: dict[tuple[str, torch.dtype], int] = {}
 
 
 STATE = _ThreadState()
@@ -229,9 +226,6 @@ def _push_frame(frame: dict[str, DeviceContext], depth: int) -> None:
     st.frames.append(frame)
     st.depths.append(depth)
     _refresh(st)
-    for ctx in st.active:
-        key = (ctx.device_type, ctx.dtype)
-        st.entries[key] = st.entries.get(key, 0) + 1
     if st.modes is None and st.active:
         function_level, aten_level = _FunctionLevel(), _AtenLevel()
         try:
@@ -265,11 +259,6 @@ def _pop_frame() -> None:
         finally:
             function_level.__exit__(None, None, None)
     _refresh(st)
-
-
-def autocast_entries(device_type: str, dtype: torch.dtype) -> int:
-    """How many enabled ``autocast(device_type, dtype)`` contexts this thread has entered so far."""
-    return STATE.entries.get((device_type, dtype), 0)
 
 
 def current_frame() -> dict[str, DeviceContext]:
@@ -345,7 +334,7 @@ def _cast_one(t: _Tensor, dtype: torch.dtype, ctx: DeviceContext, st: _ThreadSta
         and t_dtype is _float32
         and dtype is ctx.dtype
         and t.is_leaf
-        and not t._is_view()
+        and not _is_view(t)
         and not t.is_inference()
         and not _inference_mode_on()
     ):
@@ -427,7 +416,7 @@ def _banned_message(name: str) -> str:
     )
 
 
-def cast_arguments(kind: str, ctx: DeviceContext, args, kwargs, st: _ThreadState, func):
+def cast_arguments(kind: CastKind, ctx: DeviceContext, args, kwargs, st: _ThreadState, func):
     """Returns (args, kwargs) cast per ``kind``; raises for banned ops."""
     if kind is LOWER:
         dtype = ctx.dtype
@@ -444,8 +433,8 @@ def cast_arguments(kind: str, ctx: DeviceContext, args, kwargs, st: _ThreadState
         dtype = _promote_dtype(ctx, args, kwargs)
     elif kind is BANNED:
         raise RuntimeError(_banned_message(_op_name(func)))
-    else:  # pragma: no cover - kinds are validated when the policy is built
-        raise AssertionError(kind)
+    else:  # pragma: no cover - a policy's rules hold CastKind members only
+        raise AssertionError(f"not a CastKind member: {kind!r}")
     args = _map_tensors(args, dtype, ctx, st)
     if kwargs:
         values = tuple(kwargs.values())
@@ -492,7 +481,7 @@ def _clone_without_dispatch_check(func: types.FunctionType) -> types.FunctionTyp
             try:
                 closure = tuple(
                     types.CellType(_clone_without_dispatch_check(cell.cell_contents))
-                    if _is_torch_python_function(cell.cell_contents)
+                    if is_torch_python_function(cell.cell_contents)
                     and cell.cell_contents not in _CLONING
                     else cell
                     for cell in closure
@@ -507,48 +496,42 @@ def _clone_without_dispatch_check(func: types.FunctionType) -> types.FunctionTyp
     return clone
 
 
-def _is_torch_python_function(obj) -> bool:
-    try:
-        return isinstance(obj, types.FunctionType) and (obj.__module__ or "").startswith("torch")
-    except ValueError:  # an empty closure cell
-        return False
-
-
 class _FunctionLevel(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or _NO_KWARGS
         st = STATE
         ctx = st.primary
         if ctx is None:
             if not st.active:  # our innermost context is disabled, and so is native autocast
-                return func(*args, **kwargs) if kwargs else func(*args)
+                return func(*args, **kwargs)
             ctx = _context_for(st, args, kwargs)
             if ctx is None:
                 if _inside_native_region(st):
-                    return func(*args, **kwargs) if kwargs else func(*args)
+                    return func(*args, **kwargs)
                 return _call_aside(st, func, args, kwargs)
-        try:  # the policy's memo, read directly: this runs for every torch call
-            kind = ctx.policy._function_kinds[func]
+        try:  # the routes' memo, read directly: this runs for every torch call
+            kind = ctx.routes.function[func]
         except (KeyError, TypeError):
-            kind = ctx.policy.function_kind(func)
+            kind = ctx.routes.function_route(func)
         if ctx.custom and not st.own_checkpoint:
             _refuse_torch_checkpoint(ctx, func, kind)
         if kind is None:
             # Not cast. Native autocast stays as it is unless the policy is not native's
             # (native_devices), and only then must a native region inside ours be seen here.
             if st.native_devices and _inside_native_region(st):
-                return func(*args, **kwargs) if kwargs else func(*args)
+                return func(*args, **kwargs)
             return _call_aside(st, func, args, kwargs)
         if kind is LOWER and not kwargs:
             return self._lower(st, ctx, func, args)
         if kind is GETTER:
-            return func(*args, **kwargs) if kwargs else func(*args)
+            return func(*args, **kwargs)
         if kind is EXPAND:
             return self._expand(st, func, args, kwargs)
-        if kind.__class__ is not str:
+        if kind.__class__ is not CastKind:  # a decomposition (composites.py)
             return self._decompose(kind, func, args, kwargs)
         # Inside a native torch.autocast region (enabled or not) native rules.
         if _inside_native_region(st):
-            return func(*args, **kwargs) if kwargs else func(*args)
+            return func(*args, **kwargs)
         # Python wrappers such as torch.tensordot forward out=None explicitly; a real out=
         # is never cast (native does not cast out= overloads either).
         if kwargs and kwargs.get("out") is not None:
@@ -598,13 +581,11 @@ class _FunctionLevel(TorchFunctionMode):
             _rearm_dynamo(dynamo_hook)
 
     def _decompose(self, decomposition, func, args, kwargs):
-        kwargs = kwargs or {}
         with self:
             out = decomposition(*args, **kwargs)
         return func(*args, **kwargs) if out is NOT_HANDLED else out
 
     def _expand(self, st, func, args, kwargs):
-        kwargs = kwargs or {}
         if func in st.expanding:
             # The clone's body reached handle_torch_function by another path: run the
             # original as the mode would without expansion, rather than loop.
@@ -642,7 +623,7 @@ def _call_aside(st: _ThreadState, func, args, kwargs, kind=None, ctx: DeviceCont
     try:
         if kind is not None:
             args, kwargs = cast_arguments(kind, ctx, args, kwargs, st, func)
-        return func(*args, **kwargs) if kwargs else func(*args)
+        return func(*args, **kwargs)
     finally:
         if kind is not None:
             st.depth -= 1
@@ -659,10 +640,7 @@ def _call_aside(st: _ThreadState, func, args, kwargs, kind=None, ctx: DeviceCont
 # same dtype and the same table), so the recomputation equals the forward. Under a policy
 # whose kind for an op differs from native's, the recomputation would cast that op
 # differently: refuse, and name dispatch_amp.checkpoint, which recomputes under ours.
-_REENTRANT_CHECKPOINT_FORWARD = getattr(
-    getattr(torch.utils.checkpoint, "CheckpointFunction", None), "forward", None
-)
-_REENTRANT_CHECKPOINT_CODE = getattr(_REENTRANT_CHECKPOINT_FORWARD, "__code__", None)
+_REENTRANT_CHECKPOINT_CODE = _torch_compat.reentrant_checkpoint_function.forward.__code__
 _DIFFERS_FROM_NATIVE: dict = {}
 
 
@@ -673,12 +651,12 @@ def _refuse_torch_checkpoint(ctx: DeviceContext, func, kind) -> None:
     try:
         differs = _DIFFERS_FROM_NATIVE[key]
     except KeyError:
-        native = Policy.for_device(ctx.device_type).function_kind(func)
+        native = routes_for(Policy.for_device(ctx.device_type)).function_route(func)
         differs = _DIFFERS_FROM_NATIVE[key] = native is not kind and native is not EXPAND
     except TypeError:  # an unhashable callable: never in a table
         return
     if differs and _inside_torch_checkpoint():
-        native = Policy.for_device(ctx.device_type).function_kind(func)
+        native = routes_for(Policy.for_device(ctx.device_type)).function_route(func)
         raise RuntimeError(
             f"torch.utils.checkpoint inside dispatch_amp.autocast with policy "
             f"{ctx.policy.name!r}: this policy casts {_op_name(func)} as {kind!r} where "
@@ -690,7 +668,7 @@ def _refuse_torch_checkpoint(ctx: DeviceContext, func, kind) -> None:
 
 
 def _inside_torch_checkpoint() -> bool:
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    hooks = _torch_compat.top_saved_tensors_hooks(False)
     if hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint":
         return True  # the non-reentrant variant packs saved tensors with its own hooks
     frame = sys._getframe(2)
@@ -702,10 +680,10 @@ def _inside_torch_checkpoint() -> bool:
 
 
 # -- the aten level (below autograd) ----------------------------------------------------
-_len_dispatch_stack = torch._C._len_torch_dispatch_stack
-_dispatch_stack_at = torch._C._get_dispatch_stack_at
-_pop_dispatch_stack = torch._C._pop_torch_dispatch_stack
-_push_dispatch_stack = torch._C._push_on_torch_dispatch_stack
+_len_dispatch_stack = _torch_compat.len_dispatch_stack
+_dispatch_stack_at = _torch_compat.dispatch_stack_at
+_pop_dispatch_stack = _torch_compat.pop_dispatch_stack
+_push_dispatch_stack = _torch_compat.push_dispatch_stack
 
 
 def _pop_aten_level(st: _ThreadState):
@@ -730,7 +708,7 @@ class _AtenLevel(TorchDispatchMode):
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         # See "Note: Dynamo and our frames": we keep Dynamo out ourselves, cheaper.
-        return _skip_code is None
+        return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         dynamo_hook = _disarm_dynamo()
@@ -740,25 +718,25 @@ class _AtenLevel(TorchDispatchMode):
             _rearm_dynamo(dynamo_hook)
 
     def _handle(self, func, args, kwargs):
+        kwargs = kwargs or _NO_KWARGS
         st = STATE
         ctx = st.primary
         if ctx is None:
             if not st.active:
-                return func(*args, **kwargs) if kwargs else func(*args)
+                return func(*args, **kwargs)
             ctx = _context_for(st, args, kwargs)
             if ctx is None:
-                return func(*args, **kwargs) if kwargs else func(*args)
-        kind = ctx.policy.aten_kind(func)
+                return func(*args, **kwargs)
+        kind = ctx.routes.aten_kind(func)
         if (
             kind is None
             or st.depth
             or _records_autograd(args, kwargs)
             or _inside_native_region(st)
         ):
-            return func(*args, **kwargs) if kwargs else func(*args)
+            return func(*args, **kwargs)
         args, kwargs = cast_arguments(kind, ctx, args, kwargs, st, func)
-        return func(*args, **kwargs) if kwargs else func(*args)
+        return func(*args, **kwargs)
 
 
-if _skip_code is not None:
-    _skip_code(_AtenLevel.__torch_dispatch__.__code__)
+_skip_code(_AtenLevel.__torch_dispatch__.__code__)

@@ -25,7 +25,31 @@ import torch
 from . import _engine
 from .policy import Policy
 
-__all__ = ["autocast", "is_autocast_enabled", "get_autocast_dtype"]
+__all__ = ["autocast", "is_autocast_enabled", "get_autocast_dtype", "clear_autocast_cache"]
+
+
+class _EnteredRegions(threading.local):
+    def __init__(self):
+        # (device type, dtype) -> enabled regions entered so far on this thread.
+        self.counts: dict[tuple[str, torch.dtype], int] = {}
+
+
+_ENTERED = _EnteredRegions()
+
+
+def regions_entered(device_type: str, dtype: torch.dtype) -> int:
+    """How many enabled ``autocast(device_type, dtype)`` regions this thread has entered.
+
+    A running count: GradScaler compares two readings to tell whether bfloat16 autocast
+    ran in between (a scaler is not needed there).
+
+    Example::
+
+        before = regions_entered("cpu", torch.bfloat16)
+        with amp.autocast("cpu"):
+            assert regions_entered("cpu", torch.bfloat16) == before + 1
+    """
+    return _ENTERED.counts.get((device_type, dtype), 0)
 
 # device type -> (default dtype, supported dtypes), the one place these facts live.
 _DEVICES: dict[str, tuple[torch.dtype, tuple[torch.dtype, ...]]] = {
@@ -158,6 +182,9 @@ class autocast:
     def __enter__(self) -> autocast:
         saved = _engine.enter(self._context())
         self._open.setdefault(threading.get_ident(), []).append(saved)
+        if self.enabled:
+            key = (self.device_type, self.fast_dtype)
+            _ENTERED.counts[key] = _ENTERED.counts.get(key, 0) + 1
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -231,3 +258,20 @@ def get_autocast_dtype(device_type: str = "cuda") -> torch.dtype:
             amp.get_autocast_dtype("cpu")           # torch.float16
     """
     return torch.get_autocast_dtype(_check_device_type(device_type))
+
+
+def clear_autocast_cache() -> None:
+    """Drop the cached weight casts of this thread: ours and native's.
+
+    ``torch.clear_autocast_cache()`` reaches only native's cache (torch offers no hook
+    for it). Call this one inside a region after changing weights in a way their version
+    counter does not see (through ``.data``), or to free the casts early.
+
+    Example::
+
+        with amp.autocast("cpu"):
+            y = model(x)
+            amp.clear_autocast_cache()      # the next forward casts the weights again
+    """
+    torch.clear_autocast_cache()
+    _engine.clear_cache()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 from .autocast import _check_device_type, autocast, get_autocast_dtype, is_autocast_enabled
 
@@ -37,20 +38,14 @@ _DTYPE = "_dispatch_amp_dtype"
 
 
 def _cast_inputs(value, device_type: str, dtype: torch.dtype):
-    if isinstance(value, torch.Tensor):
-        eligible = (
-            value.is_floating_point()
-            and value.device.type == device_type
-            and value.dtype is not torch.float64
-        )
-        return value.to(dtype) if eligible else value
-    if isinstance(value, (str, bytes)):
-        return value
-    if isinstance(value, dict):
-        return {k: _cast_inputs(v, device_type, dtype) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cast_inputs(v, device_type, dtype) for v in value)
-    return value
+    """``value`` with its floating tensors on ``device_type`` (not float64) cast to
+    ``dtype``, looking inside lists, tuples and dicts as torch's custom_fwd does."""
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        eligible = t.is_floating_point() and t.device.type == device_type and t.dtype is not torch.float64
+        return t.to(dtype) if eligible else t
+
+    return tree_map_only(torch.Tensor, cast, value)
 
 
 def custom_fwd(fwd=None, *, device_type: str, cast_inputs: torch.dtype | None = None):

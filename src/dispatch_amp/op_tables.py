@@ -5,7 +5,8 @@ so every overload of the op follows the rule). ``policy.py`` resolves every name
 ``torch.ops.aten`` when it is imported, so a typo fails loudly, and rejects a name that
 appears under two kinds.
 
-One table serves both levels of the engine (see DESIGN.md fact 1):
+One table serves both levels of the engine (see the note "cast where native casts" in
+``_engine.py``):
 
 - the function level (above autograd) looks up the user-facing call by its aten name:
   ``torch.mm``, ``Tensor.mm`` and ``F.linear`` reach ``mm`` and ``linear``; composite
@@ -26,13 +27,40 @@ and AutocastCPU dispatch keys); ``tests/test_native_registrations.py`` walks tho
 registrations and checks every entry against a user-facing call.
 """
 
-LOWER = "lower"
-FP32 = "fp32"
-FP32_UNLESS_DTYPE = "fp32_unless_dtype"
-PROMOTE = "promote"
-BANNED = "banned"
+from enum import Enum
 
-KINDS = (LOWER, FP32, FP32_UNLESS_DTYPE, PROMOTE, BANNED)
+
+class CastKind(str, Enum):
+    """How autocast treats one op. A ``str`` enum: a member equals its name as a string
+    (``CastKind.LOWER == "lower"``), so tables written with strings (from JSON, say) are
+    turned into members when a policy is built, and the engine compares members by
+    identity.
+
+    Example::
+
+        >>> CastKind("fp32") is CastKind.FP32
+        True
+    """
+
+    LOWER = "lower"
+    FP32 = "fp32"
+    FP32_UNLESS_DTYPE = "fp32_unless_dtype"
+    PROMOTE = "promote"
+    BANNED = "banned"
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    __str__ = str.__str__
+
+
+LOWER = CastKind.LOWER
+FP32 = CastKind.FP32
+FP32_UNLESS_DTYPE = CastKind.FP32_UNLESS_DTYPE
+PROMOTE = CastKind.PROMOTE
+BANNED = CastKind.BANNED
+
+KINDS = tuple(CastKind)
 
 CUDA_TABLE = {
     LOWER: (

@@ -23,38 +23,11 @@ import torch
 from torch._ops import OpOverload, OpOverloadPacket
 
 from . import op_tables
-from .composites import DECOMPOSITIONS
-from .op_tables import BANNED, FP32, FP32_UNLESS_DTYPE, KINDS, LOWER, PROMOTE
+from .op_tables import BANNED, FP32, FP32_UNLESS_DTYPE, KINDS, LOWER, PROMOTE, CastKind
 
-__all__ = ["Policy", "LOWER", "FP32", "FP32_UNLESS_DTYPE", "PROMOTE", "BANNED"]
-
-# Marks a Python composite from torch whose body must run with the function level still
-# active (see _engine._FunctionLevel._expand).
-EXPAND = "expand"
-# Marks a tensor attribute getter/setter (t.shape, t.grad...): run as given, no bookkeeping.
-GETTER = "getter"
-
-# Python-level names whose aten op is spelled differently.
-_FUNCTION_ALIASES = {
-    "__matmul__": "matmul",
-    "__rmatmul__": "matmul",
-    "__rpow__": "pow",
-    "cross_entropy": "cross_entropy_loss",
-}
+__all__ = ["Policy", "CastKind", "LOWER", "FP32", "FP32_UNLESS_DTYPE", "PROMOTE", "BANNED"]
 
 OpLike = str | OpOverloadPacket | OpOverload
-
-
-def _is_torch_python_function(obj) -> bool:
-    return isinstance(obj, types.FunctionType) and (obj.__module__ or "").startswith("torch")
-
-
-def _names_used(code: types.CodeType) -> set[str]:
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):  # nested functions and lambdas
-            names |= _names_used(const)
-    return names
 
 
 def _qualified_name(op: OpLike) -> str:
@@ -85,12 +58,21 @@ def _qualified_name(op: OpLike) -> str:
     return packet._qualified_op_name
 
 
-def _rules_from_table(table: Mapping[str, Iterable[OpLike]]) -> dict[str, str]:
-    unknown = set(table) - set(KINDS)
+def _cast_kind(kind) -> CastKind:
+    """The ``CastKind`` member for a kind given as a member or as its string."""
+    try:
+        return CastKind(kind)
+    except ValueError:
+        raise ValueError(f"unknown cast kind {kind!r}; kinds are {[k.value for k in KINDS]}") from None
+
+
+def _rules_from_table(table: Mapping[str, Iterable[OpLike]]) -> dict[str, CastKind]:
+    unknown = sorted(str(k) for k in table if k not in KINDS)
     if unknown:
-        raise ValueError(f"unknown cast kind(s) {sorted(unknown)}; kinds are {list(KINDS)}")
-    rules: dict[str, str] = {}
+        raise ValueError(f"unknown cast kind(s) {unknown}; kinds are {[k.value for k in KINDS]}")
+    rules: dict[str, CastKind] = {}
     for kind, ops in table.items():
+        kind = _cast_kind(kind)
         if isinstance(ops, (str, OpOverload, OpOverloadPacket)):
             raise TypeError(f"the ops of kind {kind!r} must be a list of ops, not a single op")
         for op in ops:
@@ -119,16 +101,12 @@ class Policy:
         p2.kind_of("mm"), p2.kind_of("conv2d")  # ('fp32', None)
     """
 
-    __slots__ = ("name", "_rules", "_function_kinds", "_aten_kinds", "_hash")
+    __slots__ = ("name", "_rules", "_hash")
 
     def __init__(self, table: Mapping[str, Iterable[OpLike]], *, name: str = "custom"):
         self.name = name
-        self._rules: Mapping[str, str] = types.MappingProxyType(_rules_from_table(table))
+        self._rules: Mapping[str, CastKind] = types.MappingProxyType(_rules_from_table(table))
         self._hash = hash(frozenset(self._rules.items()))
-        # Memos filled on first sight of a callable / overload; the policy itself never
-        # changes, so they never need invalidating.
-        self._function_kinds: dict = {}
-        self._aten_kinds: dict = {}
 
     @classmethod
     def for_device(cls, device_type: str) -> Policy:
@@ -148,19 +126,18 @@ class Policy:
 
     # -- reading ------------------------------------------------------------------------
     @property
-    def rules(self) -> Mapping[str, str]:
+    def rules(self) -> Mapping[str, CastKind]:
         """Read-only mapping of qualified op name (``"aten::mm"``) to cast kind."""
         return self._rules
 
-    def kind_of(self, op: OpLike) -> str | None:
+    def kind_of(self, op: OpLike) -> CastKind | None:
         """The cast kind of ``op`` (``"lower"``, ``"fp32"``...), or None if it runs as given."""
         return self._rules.get(_qualified_name(op))
 
     def ops(self, kind: str) -> frozenset[str]:
         """The qualified names of the ops of one kind."""
-        if kind not in KINDS:
-            raise ValueError(f"unknown cast kind {kind!r}; kinds are {list(KINDS)}")
-        return frozenset(name for name, k in self._rules.items() if k == kind)
+        kind = _cast_kind(kind)
+        return frozenset(name for name, k in self._rules.items() if k is kind)
 
     def table(self) -> dict[str, tuple[str, ...]]:
         """The policy as a table ``{kind: (op names...)}``, the form the constructor takes."""
@@ -207,97 +184,11 @@ class Policy:
         return Policy._from_rules(rules, name or self.name)
 
     @classmethod
-    def _from_rules(cls, rules: Mapping[str, str], name: str) -> Policy:
+    def _from_rules(cls, rules: Mapping[str, CastKind], name: str) -> Policy:
         table: dict[str, list[str]] = {kind: [] for kind in KINDS}
         for op_name, kind in rules.items():
             table[kind].append(op_name)
         return cls(table, name=name)
-
-    # -- engine lookups (memoized; the hot path is one dict.get) ------------------------
-    def function_kind(self, func):
-        """Cast kind for a callable seen by the function level (memoized per callable).
-
-        Besides a kind or None, this can be ``EXPAND`` (run a torch Python composite with
-        the function level active) or a decomposition from ``composites.py``.
-        """
-        try:
-            return self._function_kinds[func]
-        except KeyError:
-            pass
-        except TypeError:  # unhashable callable: resolve every time
-            return self._resolve_function(func)
-        kind = self._function_kinds[func] = self._resolve_function(func)
-        return kind
-
-    def _resolve_function(self, func) -> str | None:
-        if isinstance(func, OpOverload):
-            return self._resolve_overload(func)
-        if isinstance(func, OpOverloadPacket):
-            return self._rules.get(func._qualified_op_name)
-        name = getattr(func, "__name__", None)
-        if name == "__get__" or name == "__set__":
-            return GETTER
-        if isinstance(name, str):
-            name = _FUNCTION_ALIASES.get(name, name)
-            kind = self._rules.get("aten::" + name)
-            if kind is not None:
-                return kind
-            # An op in no table whose inside native casts: run our Python version of it
-            # (a callable in place of a kind, see composites.py).
-            decomposition = DECOMPOSITIONS.get(name)
-            if decomposition is not None:
-                return decomposition
-        if _is_torch_python_function(func) and self._may_reach_a_rule(func, set()):
-            return EXPAND
-        return None
-
-    def _may_reach_a_rule(self, func: types.FunctionType, seen: set) -> bool:
-        """Whether a torch Python function may call an op this policy casts.
-
-        Expanding costs a mode re-entry per call, so thin wrappers (F.relu, F.dropout,
-        F.batch_norm) whose code names no op of the policy run whole instead. The check
-        reads every name the code uses (attribute names included), follows the torch
-        Python functions it names or holds in its closure, and answers True whenever in
-        doubt, so it can only err towards expanding.
-        """
-        if func in seen:
-            return False
-        seen.add(func)
-        for name in _names_used(func.__code__):
-            name = _FUNCTION_ALIASES.get(name, name)
-            if "aten::" + name in self._rules or name in DECOMPOSITIONS:
-                return True
-            target = func.__globals__.get(name)
-            if _is_torch_python_function(target) and self._may_reach_a_rule(target, seen):
-                return True
-        for cell in func.__closure__ or ():
-            try:
-                target = cell.cell_contents
-            except ValueError:  # empty cell
-                continue
-            if _is_torch_python_function(target) and self._may_reach_a_rule(target, seen):
-                return True
-            if callable(target) and not _is_torch_python_function(target):
-                return True  # an unknown callable: assume the worst
-        return False
-
-    def aten_kind(self, func: OpOverload) -> str | None:
-        """Cast kind for an aten overload seen by the dispatch level (memoized)."""
-        try:
-            return self._aten_kinds[func]
-        except KeyError:
-            kind = self._aten_kinds[func] = self._resolve_overload(func)
-            return kind
-
-    def _resolve_overload(self, func: OpOverload) -> str | None:
-        # out= and in-place overloads share the packet of the functional op; native
-        # autocast never casts them, so neither do we.
-        schema = func._schema
-        if func._overloadname == "out" or any(
-            a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
-        ):
-            return None
-        return self._rules.get(func.overloadpacket._qualified_op_name)
 
     # -- value semantics ----------------------------------------------------------------
     def __eq__(self, other: object) -> bool:

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from . import _engine
+from .autocast import regions_entered
 
 __all__ = [
     "AmpNumericsWarning",
@@ -294,7 +294,7 @@ class ScaleHistory:
 
 
 def _bf16_marks() -> dict[str, int]:
-    return {t: _engine.autocast_entries(t, torch.bfloat16) for t in ("cpu", "cuda")}
+    return {t: regions_entered(t, torch.bfloat16) for t in ("cpu", "cuda")}
 
 
 class ScalerDiagnostics:
@@ -338,7 +338,7 @@ class ScalerDiagnostics:
             return
         # Ours: a bf16 region was entered since the scaler last looked (the seeds' pattern
         # computes the loss inside it and scales outside). Native: only while inside one.
-        entered = _engine.autocast_entries(device_type, torch.bfloat16)
+        entered = regions_entered(device_type, torch.bfloat16)
         ours = entered > self._bf16_marks.get(device_type, 0)
         self._bf16_marks[device_type] = entered
         native = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == torch.bfloat16

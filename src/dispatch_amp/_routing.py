@@ -1,0 +1,185 @@
+"""How the engine handles each call under one policy: the rules turned into routes.
+
+A ``Policy`` holds rules only (op name -> ``CastKind``). The engine needs more per call:
+whether a callable seen by the function level is an op with a kind, a tensor attribute
+getter, a torch Python composite to expand, or an op to decompose (``composites.py``);
+and the kind of each aten overload seen by the aten level. ``Routes`` works that out
+once per callable and memoizes it; :func:`routes_for` keeps one ``Routes`` per distinct
+policy, so the hot path is one dict read.
+"""
+
+from __future__ import annotations
+
+import types
+from enum import Enum
+
+from torch._ops import OpOverload, OpOverloadPacket
+
+from .composites import DECOMPOSITIONS
+from .op_tables import CastKind
+from .policy import Policy
+
+__all__ = ["Route", "Routes", "routes_for"]
+
+
+class Route(Enum):
+    """Function-level routes that are not a cast kind."""
+
+    # A tensor attribute getter/setter (t.shape, t.grad...): run as given, no bookkeeping.
+    GETTER = "getter"
+    # A Python composite from torch whose body must run with the function level still
+    # active (see _engine._FunctionLevel._expand).
+    EXPAND = "expand"
+
+
+GETTER = Route.GETTER
+EXPAND = Route.EXPAND
+
+# Python-level names whose aten op is spelled differently.
+_FUNCTION_ALIASES = {
+    "__matmul__": "matmul",
+    "__rmatmul__": "matmul",
+    "__rpow__": "pow",
+    "cross_entropy": "cross_entropy_loss",
+}
+
+
+def is_torch_python_function(obj) -> bool:
+    """Whether ``obj`` is a plain Python function defined in torch (an empty closure
+    cell, which raises on access, is not)."""
+    try:
+        return isinstance(obj, types.FunctionType) and (obj.__module__ or "").startswith("torch")
+    except ValueError:
+        return False
+
+
+def _names_used(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):  # nested functions and lambdas
+            names |= _names_used(const)
+    return names
+
+
+class Routes:
+    """The routes of one policy's rules, memoized per callable and per aten overload.
+
+    ``function[func]`` / :meth:`function_route`: for the function level, a ``CastKind``,
+    ``None`` (run as given), a :class:`Route`, or a decomposition from ``composites.py``.
+    ``aten[func]`` / :meth:`aten_kind`: for the aten level, a ``CastKind`` or ``None``.
+
+    Example::
+
+        >>> import torch
+        >>> routes = routes_for(Policy.for_device("cpu"))
+        >>> routes.function_route(torch.mm), routes.aten_kind(torch.ops.aten.mm.out)
+        ('lower', None)
+    """
+
+    __slots__ = ("rules", "function", "aten")
+
+    def __init__(self, policy: Policy):
+        self.rules = policy.rules
+        # Filled on first sight of a callable / overload; the rules never change, so the
+        # memos never need invalidating.
+        self.function: dict = {}
+        self.aten: dict = {}
+
+    def function_route(self, func):
+        """How the function level handles ``func`` (memoized when ``func`` is hashable)."""
+        try:
+            return self.function[func]
+        except KeyError:
+            pass
+        except TypeError:  # unhashable callable: resolve every time
+            return self._resolve_function(func)
+        route = self.function[func] = self._resolve_function(func)
+        return route
+
+    def aten_kind(self, func: OpOverload) -> CastKind | None:
+        """The cast kind of an aten overload seen by the aten level (memoized)."""
+        try:
+            return self.aten[func]
+        except KeyError:
+            kind = self.aten[func] = self._resolve_overload(func)
+            return kind
+
+    def _resolve_function(self, func):
+        if isinstance(func, OpOverload):
+            return self._resolve_overload(func)
+        if isinstance(func, OpOverloadPacket):
+            return self.rules.get(func._qualified_op_name)
+        name = getattr(func, "__name__", None)
+        if name == "__get__" or name == "__set__":
+            return GETTER
+        if isinstance(name, str):
+            name = _FUNCTION_ALIASES.get(name, name)
+            kind = self.rules.get("aten::" + name)
+            if kind is not None:
+                return kind
+            # An op in no table whose inside native casts: run our Python version of it
+            # (a callable in place of a kind, see composites.py).
+            decomposition = DECOMPOSITIONS.get(name)
+            if decomposition is not None:
+                return decomposition
+        if is_torch_python_function(func) and self._may_reach_a_rule(func, set()):
+            return EXPAND
+        return None
+
+    def _may_reach_a_rule(self, func: types.FunctionType, seen: set) -> bool:
+        """Whether a torch Python function may call an op these rules cast.
+
+        Expanding costs a mode re-entry per call, so thin wrappers (F.relu, F.dropout,
+        F.batch_norm) whose code names no op of the policy run whole instead. The check
+        reads every name the code uses (attribute names included), follows the torch
+        Python functions it names or holds in its closure, and answers True whenever in
+        doubt, so it can only err towards expanding.
+        """
+        if func in seen:
+            return False
+        seen.add(func)
+        for name in _names_used(func.__code__):
+            name = _FUNCTION_ALIASES.get(name, name)
+            if "aten::" + name in self.rules or name in DECOMPOSITIONS:
+                return True
+            target = func.__globals__.get(name)
+            if is_torch_python_function(target) and self._may_reach_a_rule(target, seen):
+                return True
+        for cell in func.__closure__ or ():
+            try:
+                target = cell.cell_contents
+            except ValueError:  # empty cell
+                continue
+            if is_torch_python_function(target) and self._may_reach_a_rule(target, seen):
+                return True
+            if callable(target) and not is_torch_python_function(target):
+                return True  # an unknown callable: assume the worst
+        return False
+
+    def _resolve_overload(self, func: OpOverload) -> CastKind | None:
+        # out= and in-place overloads share the packet of the functional op; native
+        # autocast never casts them, so neither do we.
+        schema = func._schema
+        if func._overloadname == "out" or any(
+            a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
+        ):
+            return None
+        return self.rules.get(func.overloadpacket._qualified_op_name)
+
+
+# Policies are values (equal rules, equal hash): equal policies share their routes.
+_ROUTES: dict[Policy, Routes] = {}
+
+
+def routes_for(policy: Policy) -> Routes:
+    """The (shared, memoized) routes of ``policy``.
+
+    Example::
+
+        >>> routes_for(Policy.for_device("cpu")) is routes_for(Policy.for_device("cpu"))
+        True
+    """
+    routes = _ROUTES.get(policy)
+    if routes is None:
+        routes = _ROUTES[policy] = Routes(policy)
+    return routes
