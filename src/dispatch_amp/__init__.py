@@ -16,6 +16,7 @@ __all__ = [
     "is_autocast_enabled",
     "get_autocast_dtype",
     "clear_autocast_cache",
+    "CompileFallbackWarning",
     "Policy",
     "custom_fwd",
     "custom_bwd",
@@ -35,7 +36,13 @@ __all__ = [
     "plot_training",
 ]
 
-from .autocast import autocast, clear_autocast_cache, get_autocast_dtype, is_autocast_enabled  # noqa: E402
+from .autocast import (  # noqa: E402
+    CompileFallbackWarning,
+    autocast,
+    clear_autocast_cache,
+    get_autocast_dtype,
+    is_autocast_enabled,
+)
 from .policy import Policy  # noqa: E402
 from .checkpoint import checkpoint  # noqa: E402
 from .custom_function import custom_bwd, custom_fwd  # noqa: E402

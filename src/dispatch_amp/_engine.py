@@ -53,6 +53,7 @@ import functools
 import sys
 import threading
 import types
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -70,7 +71,12 @@ _Tensor = torch.Tensor
 
 # Note: Dynamo and our frames
 # A torch.compile'd function called inside autocast runs eagerly: Dynamo skips a frame
-# while a (non-infra) dispatch mode is on the stack. But Dynamo stays armed for every
+# while a (non-infra) dispatch mode is on the stack, and marks the frame's code as
+# skipped for good, so the function would never compile again, even outside our region.
+# An op that finds Dynamo's hook armed is running inside such a function: the engine
+# warns once per function (CompileFallbackWarning), records the skipped codes, and when
+# the outermost region closes hands them back to Dynamo (_release_compiled_frames), so
+# the function compiles at its next call outside. But Dynamo stays armed for every
 # frame that runs below it, and two kinds of our frames run with our dispatch mode off
 # the stack: the aten level's handler (torch pops a mode while it handles an op) and an
 # op cast by the function level (we pop the aten level, see _pop_aten_level). Dynamo
@@ -139,11 +145,14 @@ class _ThreadState(threading.local):
         # Weight-cast cache: (id(src), dtype) -> (src, src._version, cast).
         self.cache: dict = {}
         # >0 while an op cast by the function level runs: the aten level stands aside.
-        self.depth: int = 0
+        self.cast_op_depth: int = 0
         # Python composites currently being expanded (guards against re-dispatch loops).
         self.expanding: set = set()
         # >0 while dispatch_amp.checkpoint runs its function: it recomputes under our state.
         self.own_checkpoint: int = 0
+        # Code objects of torch.compile'd functions Dynamo skipped inside our region (see
+        # "Note: Dynamo and our frames"), handed back to Dynamo when the region closes.
+        self.skipped_compiled: set = set()
 
 
 STATE = _ThreadState()
@@ -254,6 +263,8 @@ def _pop_frame() -> None:
         st.modes = None
         st.installer = -1
         st.cache.clear()
+        if st.skipped_compiled:
+            _release_compiled_frames(st)
         try:
             aten_level.__exit__(None, None, None)
         finally:
@@ -550,6 +561,8 @@ class _FunctionLevel(TorchFunctionMode):
         if _decrement_nesting() > st.native_depth:
             return func(*args)
         dynamo_hook = _disarm_dynamo()
+        if dynamo_hook:
+            _note_compiled_frame(st)
         devices = st.native_devices
         for device in devices:
             _set_native_enabled(device, False)
@@ -557,7 +570,7 @@ class _FunctionLevel(TorchFunctionMode):
         depth = _len_dispatch_stack()
         popped = _pop_dispatch_stack(None) if depth and _dispatch_stack_at(depth - 1) is aten_level else None
         if popped is None:  # another mode sits above ours: tell the aten level to stand aside
-            st.depth += 1
+            st.cast_op_depth += 1
         try:
             dtype = ctx.dtype
             cast = []
@@ -573,7 +586,7 @@ class _FunctionLevel(TorchFunctionMode):
             return func(*cast)
         finally:
             if popped is None:
-                st.depth -= 1
+                st.cast_op_depth -= 1
             else:
                 _push_dispatch_stack(popped)
             for device in devices:
@@ -611,27 +624,93 @@ def _call_aside(st: _ThreadState, func, args, kwargs, kind=None, ctx: DeviceCont
     send some C++ composites down slower paths.
     """
     dynamo_hook = _disarm_dynamo()
+    if dynamo_hook:
+        _note_compiled_frame(st)
     devices = st.native_devices
     for device in devices:
         _set_native_enabled(device, False)
     aten_level = None
-    if kind is not None:
+    marked = False
+    if kind is not None or torch.is_grad_enabled():
         aten_level = _pop_aten_level(st)
-        st.depth += 1
-    elif torch.is_grad_enabled():
-        aten_level = _pop_aten_level(st)
+        # Another mode above ours keeps the aten level on the stack: inside a cast op it
+        # is told to stand aside instead (st.cast_op_depth).
+        marked = aten_level is None and kind is not None
+        if marked:
+            st.cast_op_depth += 1
     try:
         if kind is not None:
             args, kwargs = cast_arguments(kind, ctx, args, kwargs, st, func)
         return func(*args, **kwargs)
     finally:
-        if kind is not None:
-            st.depth -= 1
-        if aten_level is not None:
+        if marked:
+            st.cast_op_depth -= 1
+        elif aten_level is not None:
             _push_dispatch_stack(aten_level)
         for device in devices:
             _set_native_enabled(device, True)
         _rearm_dynamo(dynamo_hook)
+
+
+# -- torch.compile'd functions called inside a region --------------------------------
+class CompileFallbackWarning(UserWarning):
+    """A ``torch.compile``'d function ran eagerly because it was called inside
+    ``dispatch_amp.autocast`` (the numbers are right: our casts ran).
+
+    Example::
+
+        warnings.simplefilter("error", amp.CompileFallbackWarning)   # make it fatal
+    """
+
+
+_WARNED_COMPILED: set = set()
+_OUR_FILES = __file__.rsplit("/", 1)[0]
+# Frames torch puts between a compiled module's call and its forward.
+_TORCH_WRAPPERS = (
+    _torch_compat.DYNAMO_EVAL_FRAME_FILE.rsplit("/", 1)[0],
+    torch.nn.Module.__call__.__code__.co_filename,
+)
+
+
+def _note_compiled_frame(st: _ThreadState) -> None:
+    """An op ran with Dynamo's hook armed: record the frames of the compiled function."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_OUR_FILES):
+        frame = frame.f_back
+    if frame is None or frame.f_code in st.skipped_compiled:
+        return
+    codes = []
+    while frame is not None and frame.f_code.co_filename != _torch_compat.DYNAMO_EVAL_FRAME_FILE:
+        codes.append(frame.f_code)
+        frame = frame.f_back
+    if frame is None:  # no torch.compile wrapper above: Dynamo is armed for another reason
+        return
+    st.skipped_compiled.update(codes)
+    # Name the user's function or module: the outermost frame that is not torch's wrapping.
+    compiled = next((c for c in reversed(codes) if not c.co_filename.startswith(_TORCH_WRAPPERS)), None)
+    if compiled is not None and compiled not in _WARNED_COMPILED:
+        _WARNED_COMPILED.add(compiled)
+        caller = frame.f_back  # where the user called the compiled function or module
+        while caller is not None and caller.f_code.co_filename.startswith(_TORCH_WRAPPERS):
+            caller = caller.f_back
+        warnings.warn_explicit(
+            f"torch.compile'd {compiled.co_name} ({compiled.co_filename}:{compiled.co_firstlineno}) "
+            f"ran eagerly inside dispatch_amp.autocast: torch.compile does not trace while a "
+            f"Python dispatch mode is active. The results are correct (our casts ran), and "
+            f"the function compiles again when called outside the region. To compile "
+            f"mixed-precision training today, use torch.autocast inside or around the "
+            f"compiled function.",
+            CompileFallbackWarning,
+            caller.f_code.co_filename if caller else compiled.co_filename,
+            caller.f_lineno if caller else compiled.co_firstlineno,
+        )
+
+
+def _release_compiled_frames(st: _ThreadState) -> None:
+    """Lets Dynamo evaluate again the codes it marked as skipped inside our region."""
+    for code in st.skipped_compiled:
+        _torch_compat.set_code_exec_strategy(code, _torch_compat.DEFAULT_EXEC_STRATEGY)
+    st.skipped_compiled.clear()
 
 
 # -- torch.utils.checkpoint under a policy that is not native's -------------------------
@@ -730,7 +809,7 @@ class _AtenLevel(TorchDispatchMode):
         kind = ctx.routes.aten_kind(func)
         if (
             kind is None
-            or st.depth
+            or st.cast_op_depth
             or _records_autograd(args, kwargs)
             or _inside_native_region(st)
         ):

@@ -12,6 +12,8 @@ What each is for:
   takes the aten level off the stack around a call it has cast (``_engine._call_aside``);
 - Dynamo's frame hook (``set_eval_frame``) and ``skip_code``: our own frames are kept out
   of Dynamo (see "Note: Dynamo and our frames" in ``_engine.py``);
+  ``set_code_exec_strategy`` and ``FrameExecStrategy``: the frames of a compiled function
+  that Dynamo skipped inside our region are handed back to it when the region closes;
 - ``_top_saved_tensors_default_hooks`` and ``torch.utils.checkpoint.CheckpointFunction``:
   telling whether torch's checkpoint is running, to refuse it under a custom policy;
 - ``Tensor._is_view``: native's weight-cast cache skips views, and so does ours.
@@ -52,11 +54,20 @@ reentrant_checkpoint_function = _lookup(
 tensor_is_view = _lookup(torch.Tensor, "torch.Tensor", "_is_view")
 
 try:
-    from torch._C._dynamo.eval_frame import set_eval_frame
+    from torch._C._dynamo.eval_frame import set_code_exec_strategy, set_eval_frame
     from torch._dynamo.eval_frame import skip_code
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+    # What Dynamo does with a code object it has not been told anything about.
+    DEFAULT_EXEC_STRATEGY = FrameExecStrategy(FrameAction.DEFAULT, FrameAction.DEFAULT)
+    # The file of torch.compile's wrapper around a compiled function.
+    DYNAMO_EVAL_FRAME_FILE = torch._dynamo.eval_frame.__file__
 except ImportError:
-    _missing.append("torch._C._dynamo.eval_frame.set_eval_frame / torch._dynamo.eval_frame.skip_code")
-    set_eval_frame = skip_code = None
+    _missing.append(
+        "torch._C._dynamo.eval_frame.set_eval_frame / set_code_exec_strategy, "
+        "torch._dynamo.eval_frame.skip_code, torch._dynamo.types.FrameExecStrategy"
+    )
+    set_eval_frame = skip_code = set_code_exec_strategy = None
 
 if _missing:
     raise ImportError(

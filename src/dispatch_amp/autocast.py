@@ -25,7 +25,9 @@ import torch
 from . import _engine
 from .policy import Policy
 
-__all__ = ["autocast", "is_autocast_enabled", "get_autocast_dtype", "clear_autocast_cache"]
+__all__ = ["autocast", "is_autocast_enabled", "get_autocast_dtype", "clear_autocast_cache", "CompileFallbackWarning"]
+
+CompileFallbackWarning = _engine.CompileFallbackWarning
 
 
 class _EnteredRegions(threading.local):
