@@ -16,6 +16,7 @@ HEADERS = [
     "## dispatch-overhead", "### dispatch-overhead: us per tiny op",
     "## scaler", "### scaler: unscale + check", "### scaler: step + update",
     "## kernels", "### kernels: static PTX",
+    "## compile", "### compile: ms per training step",
 ]
 
 

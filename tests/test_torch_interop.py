@@ -38,7 +38,7 @@ BOTH = pytest.mark.parametrize("region", [native, ours], ids=["native", "ours"])
 @pytest.fixture(autouse=True)
 def no_state_leaks():
     yield
-    assert _engine.STATE.frames == [] and _engine.STATE.modes is None
+    assert _engine.STATE.frames == [] and _engine.STATE.function_level is None and _engine.STATE.aten_level is None
     assert not torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
     assert torch.is_autocast_cache_enabled()
 

@@ -17,10 +17,12 @@ one ``Policy``:
   when autograd records nothing for the op (``no_grad``, ``inference_mode``, inputs that
   need no grad) and the op is not already inside one cast by the function level (native
   excludes autocast inside an op it handled). For ops outside the tables it is one dict
-  lookup and a call. It is also where later features observe every kernel.
+  lookup and a call. It is needed only under a policy of our own: under a built-in
+  policy native autocast casts those ops (next note), so the level is not installed.
 
-Both levels are installed once per thread by the outermost enabled ``autocast`` and
-read the innermost context from ``STATE``; nested contexts only push and pop frames.
+The function level is installed once per thread by the outermost enabled ``autocast``,
+the aten level by the outermost one whose policy is not built in; both read the
+innermost context from ``STATE``; nested contexts only push and pop frames.
 
 Note: torch sees our state as native state
 ------------------------------------------
@@ -41,10 +43,33 @@ so native autocast casts too, with its own table, wherever it sees an op:
   type (``_call_aside``, ``_lower``), and switched back on before Python code outside the
   call runs again. Ops called from inside C++ kernels then follow our aten level (under
   ``no_grad``) or run as given.
- A native ``torch.autocast`` region opened inside ours raises torch's nesting
-counter above the value our innermost context recorded; there native rules and both
-levels stand aside, which gives native's rule for any nesting order: the innermost
-context wins.
+
+A native ``torch.autocast`` region opened inside ours raises torch's nesting counter
+above the value our innermost context recorded; there native rules and both levels
+stand aside, which gives native's rule for any nesting order: the innermost context wins.
+
+Note: torch.compile
+-------------------
+Dynamo traces a ``TorchFunctionMode`` on the stack by inlining its ``__torch_function__``,
+and refuses to trace at all while a (non-infra) ``TorchDispatchMode`` is on the stack.
+
+- Under a built-in policy only the function level is installed, so Dynamo traces. While
+  it traces, ``__torch_function__`` calls the op as given: torch's autocast state is ours
+  (previous note), so AOTAutograd records native's casts in the graph, and native's
+  table is the policy. The graph is the one ``torch.autocast`` would give, and Dynamo's
+  guards on torch's autocast state (enabled, dtype) and on the mode stack recompile it,
+  or pick the right cached graph, when either changes. One function level object per
+  thread keeps that guard stable from region to region.
+- Under a policy of our own the aten level is on the stack, and a compiled function runs
+  eagerly, with our casts. Dynamo also marks the codes it skipped as never to be
+  compiled again; an op that finds Dynamo's frame hook armed records them and warns once
+  per function (``CompileFallbackWarning``), and when the outermost region closes they
+  get Dynamo's default strategy back (``_release_compiled_frames``).
+- Entering and leaving a region inside a compiled function are graph breaks
+  (``autocast.__enter__``/``__exit__`` are ``torch.compiler.disable``'d: the engine's
+  thread state and mode stacks are bookkeeping, not graph, and tracing them gave wrong
+  results). Dynamo cannot resume inside a ``with`` of a context manager it does not
+  know, so such a function runs eagerly.
 """
 
 from __future__ import annotations
@@ -58,6 +83,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch._ops import OpOverload as _OpOverload
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -70,26 +96,20 @@ from .policy import Policy
 _Tensor = torch.Tensor
 
 # Note: Dynamo and our frames
-# A torch.compile'd function called inside autocast runs eagerly: Dynamo skips a frame
-# while a (non-infra) dispatch mode is on the stack, and marks the frame's code as
-# skipped for good, so the function would never compile again, even outside our region.
-# An op that finds Dynamo's hook armed is running inside such a function: the engine
-# warns once per function (CompileFallbackWarning), records the skipped codes, and when
-# the outermost region closes hands them back to Dynamo (_release_compiled_frames), so
-# the function compiles at its next call outside. But Dynamo stays armed for every
-# frame that runs below it, and two kinds of our frames run with our dispatch mode off
-# the stack: the aten level's handler (torch pops a mode while it handles an op) and an
-# op cast by the function level (we pop the aten level, see _pop_aten_level). Dynamo
-# would compile those frames, our casting logic included. We disarm its frame hook for
-# those spans (two C calls, what torch._dynamo.disable does) and mark the aten handler's
-# own code as skipped, which replaces torch's heavier default shim around
-# __torch_dispatch__.
+# Dynamo stays armed for every frame that runs below a compiled function, and two kinds
+# of our frames run with our dispatch mode off the stack: the aten level's handler (torch
+# pops a mode while it handles an op) and an op cast by the function level (we pop the
+# aten level, see _pop_aten_level). Dynamo would compile those frames, our casting logic
+# included. We disarm its frame hook for those spans (two C calls, what
+# torch._dynamo.disable does) and mark the aten handler's own code as skipped, which
+# replaces torch's heavier default shim around __torch_dispatch__.
 _set_eval_frame = _torch_compat.set_eval_frame
 _skip_code = _torch_compat.skip_code
 # A partial is called from C: cheaper than a lambda on a path that runs for every cast op.
 _disarm_dynamo = functools.partial(_set_eval_frame, None)
 _rearm_dynamo = _set_eval_frame
 _float32 = torch.float32
+_is_compiling = torch.compiler.is_compiling
 # torch hands handlers kwargs=None or {}; calling with **{} costs what calling without
 # costs, so every call site passes kwargs through as this. Never mutated.
 _NO_KWARGS: dict = {}
@@ -139,9 +159,17 @@ class _ThreadState(threading.local):
         self.native_devices: tuple[str, ...] = ()
         # depths[-1]: a deeper nesting counter means a native region inside our innermost.
         self.native_depth: int = -1
-        # The installed pair of modes and the frame index that installed them.
-        self.modes: tuple | None = None
-        self.installer: int = -1
+        # The installed levels (None: not on their stack) and the frame index that
+        # installed each. The function level is installed by the outermost enabled region;
+        # the aten level only by a region with a policy of its own (see "Note: torch sees
+        # our state as native state": under a built-in policy native autocast casts what
+        # the aten level would). One function level object per thread, pushed again each
+        # time, so torch.compile sees the same mode on the stack from region to region.
+        self.function_level: _FunctionLevel | None = None
+        self.function_installer: int = -1
+        self.aten_level: _AtenLevel | None = None
+        self.aten_installer: int = -1
+        self.function_mode: _FunctionLevel | None = None  # made on first use
         # Weight-cast cache: (id(src), dtype) -> (src, src._version, cast).
         self.cache: dict = {}
         # >0 while an op cast by the function level runs: the aten level stands aside.
@@ -151,7 +179,7 @@ class _ThreadState(threading.local):
         # >0 while dispatch_amp.checkpoint runs its function: it recomputes under our state.
         self.own_checkpoint: int = 0
         # Code objects of torch.compile'd functions Dynamo skipped inside our region (see
-        # "Note: Dynamo and our frames"), handed back to Dynamo when the region closes.
+        # "Note: torch.compile"), handed back to Dynamo when the region closes.
         self.skipped_compiled: set = set()
 
 
@@ -235,22 +263,23 @@ def _push_frame(frame: dict[str, DeviceContext], depth: int) -> None:
     st.frames.append(frame)
     st.depths.append(depth)
     _refresh(st)
-    if st.modes is None and st.active:
-        function_level, aten_level = _FunctionLevel(), _AtenLevel()
-        try:
-            function_level.__enter__()
-            try:
-                aten_level.__enter__()
-            except BaseException:
-                function_level.__exit__(None, None, None)
-                raise
-        except BaseException:
-            st.frames.pop()
-            st.depths.pop()
-            _refresh(st)
-            raise
-        st.modes = (function_level, aten_level)
-        st.installer = len(st.frames) - 1
+    index = len(st.frames) - 1
+    try:
+        if st.function_level is None and st.active:
+            if st.function_mode is None:
+                st.function_mode = _FunctionLevel()
+            st.function_mode.__enter__()
+            st.function_level, st.function_installer = st.function_mode, index
+        if st.aten_level is None and st.native_devices:
+            aten_level = _AtenLevel()
+            aten_level.__enter__()
+            st.aten_level, st.aten_installer = aten_level, index
+    except BaseException:
+        _uninstall(st, index)
+        st.frames.pop()
+        st.depths.pop()
+        _refresh(st)
+        raise
 
 
 def _pop_frame() -> None:
@@ -258,18 +287,29 @@ def _pop_frame() -> None:
     index = len(st.frames) - 1
     st.frames.pop()
     st.depths.pop()
-    if st.modes is not None and index == st.installer:
-        function_level, aten_level = st.modes
-        st.modes = None
-        st.installer = -1
+    try:
+        _uninstall(st, index)
+    finally:
+        _refresh(st)
+
+
+def _uninstall(st: _ThreadState, index: int) -> None:
+    """Takes off the levels that the region at frame ``index`` installed."""
+    aten_level = st.aten_level if st.aten_installer == index else None
+    function_level = st.function_level if st.function_installer == index else None
+    if aten_level is not None:
+        st.aten_level, st.aten_installer = None, -1
+    if function_level is not None:
+        st.function_level, st.function_installer = None, -1
         st.cache.clear()
         if st.skipped_compiled:
             _release_compiled_frames(st)
-        try:
+    try:
+        if aten_level is not None:
             aten_level.__exit__(None, None, None)
-        finally:
+    finally:
+        if function_level is not None:
             function_level.__exit__(None, None, None)
-    _refresh(st)
 
 
 def current_frame() -> dict[str, DeviceContext]:
@@ -509,8 +549,17 @@ def _clone_without_dispatch_check(func: types.FunctionType) -> types.FunctionTyp
 
 class _FunctionLevel(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if _is_compiling():
+            # Dynamo is tracing this call (see "Note: torch.compile"): torch's autocast
+            # state is ours, so the graph gets native's casts, which are ours here.
+            return func(*args, **(kwargs or {}))
         kwargs = kwargs or _NO_KWARGS
         st = STATE
+        if func.__class__ is _OpOverload and not st.native_devices:
+            # An aten overload called as such: the ops of a compiled graph, or torch.ops.
+            # Under a built-in policy native autocast casts it in the dispatcher, as it
+            # would without us (see "Note: torch sees our state as native state").
+            return func(*args, **kwargs)
         ctx = st.primary
         if ctx is None:
             if not st.active:  # our innermost context is disabled, and so is native autocast
@@ -561,16 +610,20 @@ class _FunctionLevel(TorchFunctionMode):
         if _decrement_nesting() > st.native_depth:
             return func(*args)
         dynamo_hook = _disarm_dynamo()
-        if dynamo_hook:
+        if dynamo_hook and st.aten_level is not None:
             _note_compiled_frame(st)
         devices = st.native_devices
         for device in devices:
             _set_native_enabled(device, False)
-        aten_level = st.modes[1]
-        depth = _len_dispatch_stack()
-        popped = _pop_dispatch_stack(None) if depth and _dispatch_stack_at(depth - 1) is aten_level else None
-        if popped is None:  # another mode sits above ours: tell the aten level to stand aside
-            st.cast_op_depth += 1
+        aten_level = st.aten_level
+        popped = marked = None
+        if aten_level is not None:
+            depth = _len_dispatch_stack()
+            if depth and _dispatch_stack_at(depth - 1) is aten_level:
+                popped = _pop_dispatch_stack(None)
+            else:  # another mode sits above ours: tell the aten level to stand aside
+                marked = True
+                st.cast_op_depth += 1
         try:
             dtype = ctx.dtype
             cast = []
@@ -585,9 +638,9 @@ class _FunctionLevel(TorchFunctionMode):
                 cast.append(a)
             return func(*cast)
         finally:
-            if popped is None:
+            if marked:
                 st.cast_op_depth -= 1
-            else:
+            elif popped is not None:
                 _push_dispatch_stack(popped)
             for device in devices:
                 _set_native_enabled(device, True)
@@ -624,14 +677,14 @@ def _call_aside(st: _ThreadState, func, args, kwargs, kind=None, ctx: DeviceCont
     send some C++ composites down slower paths.
     """
     dynamo_hook = _disarm_dynamo()
-    if dynamo_hook:
+    if dynamo_hook and st.aten_level is not None:  # Dynamo skipped the frame for it
         _note_compiled_frame(st)
     devices = st.native_devices
     for device in devices:
         _set_native_enabled(device, False)
     aten_level = None
     marked = False
-    if kind is not None or torch.is_grad_enabled():
+    if st.aten_level is not None and (kind is not None or torch.is_grad_enabled()):
         aten_level = _pop_aten_level(st)
         # Another mode above ours keeps the aten level on the stack: inside a cast op it
         # is told to stand aside instead (st.cast_op_depth).
@@ -655,7 +708,8 @@ def _call_aside(st: _ThreadState, func, args, kwargs, kind=None, ctx: DeviceCont
 # -- torch.compile'd functions called inside a region --------------------------------
 class CompileFallbackWarning(UserWarning):
     """A ``torch.compile``'d function ran eagerly because it was called inside
-    ``dispatch_amp.autocast`` (the numbers are right: our casts ran).
+    ``dispatch_amp.autocast`` with a policy of its own (the numbers are right: our casts
+    ran). Under a built-in policy compiled functions compile.
 
     Example::
 
@@ -695,11 +749,11 @@ def _note_compiled_frame(st: _ThreadState) -> None:
             caller = caller.f_back
         warnings.warn_explicit(
             f"torch.compile'd {compiled.co_name} ({compiled.co_filename}:{compiled.co_firstlineno}) "
-            f"ran eagerly inside dispatch_amp.autocast: torch.compile does not trace while a "
-            f"Python dispatch mode is active. The results are correct (our casts ran), and "
-            f"the function compiles again when called outside the region. To compile "
-            f"mixed-precision training today, use torch.autocast inside or around the "
-            f"compiled function.",
+            f"ran eagerly inside dispatch_amp.autocast with a policy of its own: torch.compile "
+            f"does not trace while the aten level (a Python dispatch mode) is active. The "
+            f"results are correct (our casts ran), and the function compiles again when "
+            f"called outside the region. Under a built-in policy (Policy.for_device) the "
+            f"region compiles.",
             CompileFallbackWarning,
             caller.f_code.co_filename if caller else compiled.co_filename,
             caller.f_lineno if caller else compiled.co_firstlineno,
@@ -767,7 +821,7 @@ _push_dispatch_stack = _torch_compat.push_dispatch_stack
 
 def _pop_aten_level(st: _ThreadState):
     """Takes our aten level off the dispatch stack if it is on top; returns it or None."""
-    aten_level = st.modes[1]
+    aten_level = st.aten_level
     depth = _len_dispatch_stack()
     if depth and _dispatch_stack_at(depth - 1) is aten_level:
         return _pop_dispatch_stack(None)
@@ -809,6 +863,7 @@ class _AtenLevel(TorchDispatchMode):
         kind = ctx.routes.aten_kind(func)
         if (
             kind is None
+            or not ctx.custom  # native autocast casts here under a built-in policy
             or st.cast_op_depth
             or _records_autograd(args, kwargs)
             or _inside_native_region(st)
@@ -818,4 +873,21 @@ class _AtenLevel(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-_skip_code(_AtenLevel.__torch_dispatch__.__code__)
+def _keep_out_of_dynamo() -> None:
+    """Marks every function of this module as a frame Dynamo never compiles.
+
+    Code after a graph break in a compiled function runs eagerly with Dynamo's frame hook
+    armed, and our handler's frames would be compiled as user frames: specialized for
+    tracing (``_is_compiling``), broken at every C call. Dynamo still inlines the
+    function level's handler when it traces a call under it (see "Note: torch.compile").
+    """
+    for value in list(globals().values()):
+        functions = [value]
+        if isinstance(value, type) and value.__module__ == __name__:
+            functions = [getattr(f, "__func__", f) for f in vars(value).values()]
+        for f in functions:
+            if isinstance(f, types.FunctionType) and f.__module__ == __name__:
+                _skip_code(f.__code__)
+
+
+_keep_out_of_dynamo()

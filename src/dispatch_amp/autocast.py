@@ -181,6 +181,10 @@ class autocast:
             self.device_type, self.enabled, self.fast_dtype, self.policy, self.cache_enabled
         )
 
+    # Inside a torch.compile'd function, entering and leaving a region are graph breaks:
+    # the engine's bookkeeping (thread state, mode stacks) is not something to trace, and
+    # Dynamo resumes tracing inside the region with our state in force (see README).
+    @torch.compiler.disable
     def __enter__(self) -> autocast:
         saved = _engine.enter(self._context())
         self._open.setdefault(threading.get_ident(), []).append(saved)
@@ -189,6 +193,7 @@ class autocast:
             _ENTERED.counts[key] = _ENTERED.counts.get(key, 0) + 1
         return self
 
+    @torch.compiler.disable
     def __exit__(self, exc_type, exc, tb) -> None:
         thread = threading.get_ident()
         entries = self._open.get(thread)

@@ -1,0 +1,146 @@
+"""compile: training steps under torch.compile, native autocast and ours.
+
+Per model (the train-step suite's GPT, CNN and LSTM, and an overhead-bound MLP: 24
+layers of 64-wide Linear + SiLU + residual, batch 16), four configurations run one SGD
+training step each, interleaved in rotating order: native eager, native compiled, ours
+eager, ours compiled (``torch.compile`` of the loss function; inductor, or ``aot_eager``
+with ``--quick``). Reported: ms per step, ours-compiled / native-compiled (median of
+per-round ratios) and compile time ours / native (the first compiled step of each, from a
+reset Dynamo cache). Targets: compiled ratio <= 1.02, compile time ratio <= 1.2.
+``--quick`` sizes are a smoke test of the suite, not a measurement.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+import torch
+import torch._dynamo
+from torch import nn
+
+import dispatch_amp
+
+from . import train_step
+from .common import Table, interleaved, ratio_stats, verdict
+
+NAME = "compile"
+COMPILED_TARGET = 1.02
+COMPILE_TIME_TARGET = 1.2
+CONFIGS = ("native eager", "native compiled", "ours eager", "ours compiled")
+
+
+class ResidualMLP(nn.Module):
+    """Many small layers: a model whose step time is mostly per-op overhead."""
+
+    def __init__(self, width: int = 64, depth: int = 24, classes: int = 10):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + nn.functional.silu(layer(x))
+        return self.head(x)
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.forward(x), y)
+
+
+def mlp_case(quick: bool):
+    torch.manual_seed(3)
+    depth = 4 if quick else 24
+    x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
+    return f"MLP {depth} x (Linear 64 + SiLU + residual), batch 16", ResidualMLP(depth=depth), (x, y)
+
+
+MODELS = ("mlp", "gpt", "cnn", "lstm")
+
+
+def _case(name: str, quick: bool):
+    return mlp_case(quick) if name == "mlp" else train_step.case(name, quick)
+
+
+def _region(config: str):
+    if config.startswith("native"):
+        return lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+    return lambda: dispatch_amp.autocast("cpu", dtype=torch.bfloat16)
+
+
+def _make_step(model, batch, config: str, backend: str):
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    loss_fn = torch.compile(model.loss, backend=backend) if config.endswith("compiled") else model.loss
+    region = _region(config)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with region():
+            loss = loss_fn(*batch)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def _compile_seconds(base, batch, config: str, backend: str) -> float:
+    torch._dynamo.reset()
+    step = _make_step(copy.deepcopy(base), batch, config, backend)
+    t0 = time.perf_counter()
+    step()
+    return time.perf_counter() - t0
+
+
+def _time_model(name: str, quick: bool, rounds: int, backend: str) -> dict:
+    desc, base, batch = _case(name, quick)
+    base.train()
+    compile_s = {c: _compile_seconds(base, batch, c, backend) for c in ("native compiled", "ours compiled")}
+    torch._dynamo.reset()
+    steps = {c: _make_step(copy.deepcopy(base), batch, c, backend) for c in CONFIGS}
+    s = interleaved(steps, rounds, warmup=2)
+    ms = {c: statistics.median(v) * 1e3 for c, v in s.items()}
+    compiled = ratio_stats(s["ours compiled"], s["native compiled"])
+    eager = ratio_stats(s["ours eager"], s["native eager"])
+    compile_ratio = compile_s["ours compiled"] / compile_s["native compiled"]
+    return {
+        "model": desc, "backend": backend, "rounds": rounds,
+        **{f"{c.replace(' ', '_')}_ms": ms[c] for c in CONFIGS},
+        "ours/native eager": eager["ratio"],
+        "ours/native compiled": compiled["ratio"],
+        "compiled_target": f"<= {COMPILED_TARGET:.2f}", "compiled_met": verdict(compiled["ratio"], COMPILED_TARGET),
+        "native_compile_s": compile_s["native compiled"], "ours_compile_s": compile_s["ours compiled"],
+        "compile_time_ratio": compile_ratio,
+        "compile_time_target": f"<= {COMPILE_TIME_TARGET:.1f}",
+        "compile_time_met": verdict(compile_ratio, COMPILE_TIME_TARGET),
+    }
+
+
+def run(opts) -> list[Table]:
+    rounds = 3 if opts.quick else 21
+    backend = "aot_eager" if opts.quick else "inductor"
+    title = (
+        f"compile: ms per training step (CPU bf16, SGD), torch.compile backend {backend}, "
+        f"{rounds} interleaved rounds"
+    )
+    if opts.quick:
+        title += " (quick sizes: a smoke test, not a measurement)"
+    table = Table(title, [
+        ("model", "model", "{}"),
+        ("native_eager_ms", "native eager", "{:.2f}"),
+        ("native_compiled_ms", "native compiled", "{:.2f}"),
+        ("ours_eager_ms", "ours eager", "{:.2f}"),
+        ("ours_compiled_ms", "ours compiled", "{:.2f}"),
+        ("ours/native eager", "ours/native eager", "{:.3f}"),
+        ("ours/native compiled", "ours/native compiled", "{:.3f}"),
+        ("compiled_target", "target", "{}"),
+        ("compiled_met", "met?", "{}"),
+        ("native_compile_s", "native compile s", "{:.1f}"),
+        ("ours_compile_s", "ours compile s", "{:.1f}"),
+        ("compile_time_ratio", "compile time ours/native", "{:.2f}"),
+        ("compile_time_target", "target", "{}"),
+        ("compile_time_met", "met?", "{}"),
+    ])
+    for name in MODELS:
+        table.rows.append(_time_model(name, opts.quick, rounds, backend))
+    torch._dynamo.reset()
+    return [table]
