@@ -483,3 +483,253 @@ def test_no_warnings_in_a_clean_run():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         stepped_scaler(GradScaler)
+
+
+# ------------------------------------------------------------------------------------------
+# Cases found by probing: each failed (silently or by corrupting state) before its fix
+# ------------------------------------------------------------------------------------------
+
+complex_parts = st.one_of(
+    st.floats(width=32, min_value=-1e6, max_value=1e6), st.sampled_from([float("inf"), float("-inf"), float("nan")])
+)
+
+
+@settings(max_examples=40)
+@given(
+    dtype=st.sampled_from([torch.complex64, torch.complex128]),
+    values=st.lists(st.tuples(complex_parts, complex_parts), min_size=1, max_size=6),
+    log2_scale=st.integers(-4, 20),
+    backend=st.sampled_from(["torch", "triton"]),
+)
+def test_complex_gradients_unscale_both_parts_and_skip_on_inf_in_either(dtype, values, log2_scale, backend):
+    scale = 2.0**log2_scale
+    grad = torch.tensor([complex(re, im) for re, im in values], dtype=dtype)
+    param = torch.nn.Parameter(torch.zeros_like(grad))
+    opt = torch.optim.SGD([param], lr=1.0)
+    scaler = GradScaler("cpu", init_scale=scale, backend=backend)
+    scaler.scale(torch.ones(()))
+    param.grad = grad * scale
+    scaler.unscale_(opt)
+    finite = bool(torch.isfinite(torch.view_as_real(grad)).all())
+    if finite:
+        # Both parts divided by the scale (a power of two: exact).
+        assert torch.equal(param.grad, grad)
+    before = param.detach().clone()
+    scaler.step(opt)
+    scaler.update()
+    assert (scaler.skipped_steps == 1) != finite
+    after = param.detach()
+    if finite:
+        assert torch.equal(after, before - grad)
+    else:
+        assert torch.equal(torch.view_as_real(after), torch.view_as_real(before))
+
+
+def test_complex_parameter_trains_like_its_real_and_imaginary_halves():
+    """The case that lost the imaginary part: [-1+0j, -3+0j] where the answer is [-1+4j, -3-6j]."""
+    param = torch.nn.Parameter(torch.tensor([1 + 1j, 1 - 1j], dtype=torch.complex64))
+    opt = torch.optim.SGD([param], lr=1.0)
+    scaler = GradScaler("cpu", init_scale=4.0)
+    loss = (param * torch.tensor([2 + 3j, 4 - 5j])).real.sum()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert torch.equal(param.detach(), torch.tensor([-1 + 4j, -3 - 6j], dtype=torch.complex64))
+    # The read-only check of fused optimizers sees both parts too.
+    param.grad = torch.tensor([1 + float("inf") * 1j, 0j], dtype=torch.complex64)
+    scaler.scale(torch.ones(()))
+    flags = scaler._check_inf_per_device(opt)
+    assert sum(f.item() for f in flags.values()) > 0
+
+
+@pytest.mark.parametrize("bad", [1e-50, 1e-40, 1e39, float("inf"), float("nan"), 0.0, -1.0])
+def test_load_state_dict_refuses_a_scale_float32_cannot_hold_and_changes_nothing(bad):
+    scaler = GradScaler("cpu", init_scale=8.0, growth_interval=2)
+    scaler.scale(torch.ones(()))  # initialized: the scale tensor exists
+    before = scaler.state_dict()
+    sd = dict(before, scale=bad, growth_interval=3)
+    with pytest.raises(ValueError, match="scale"):
+        scaler.load_state_dict(sd)
+    assert scaler.state_dict() == before and scaler.get_growth_interval() == 2
+    with pytest.raises(ValueError, match="float32"):
+        GradScaler("cpu", init_scale=bad)
+    with pytest.raises(ValueError):
+        scaler.update(new_scale=bad)
+
+
+corrupt_values = st.one_of(
+    st.none(), st.booleans(), st.text(max_size=3), st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True), st.just([1.0]),
+)
+state_keys = st.sampled_from([
+    "scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker",
+    "hysteresis", "min_scale", "max_scale", "_hysteresis_tracker", "_skipped_steps",
+])
+
+
+@settings(max_examples=150)
+@given(changes=st.dictionaries(state_keys, corrupt_values, min_size=1, max_size=4), drop=st.lists(state_keys, max_size=2))
+def test_a_failed_load_state_dict_leaves_the_scaler_as_it_was(changes, drop):
+    scaler = GradScaler("cpu", init_scale=64.0, growth_interval=5, hysteresis=2, min_scale=1.0, max_scale=2.0**20)
+    scaler.scale(torch.ones(()))
+    before = (scaler.state_dict(), scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval(), scaler.hysteresis)
+    sd = dict(before[0], **changes)
+    for key in drop:
+        sd.pop(key, None)
+    try:
+        scaler.load_state_dict(sd)
+    except (ValueError, TypeError):
+        after = (scaler.state_dict(), scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval(), scaler.hysteresis)
+        assert after == before
+        return
+    # Accepted: what was loaded is what the scaler now reports, and it still works.
+    assert _usable_float32(scaler.get_scale())
+    scaler.update(new_scale=4.0)
+
+
+def _usable_float32(x):
+    import math
+
+    return math.isfinite(x) and x >= torch.finfo(torch.float32).tiny
+
+
+def test_scale_of_a_meta_tensor_says_what_is_wrong():
+    with pytest.raises(ValueError, match="meta device"):
+        GradScaler("cpu").scale(torch.ones(2, device="meta"))
+    with pytest.raises(ValueError, match="meta device"):
+        GradScaler("cpu").scale([torch.ones(1), (torch.ones(2, device="meta"),)])
+
+
+def test_state_dicts_cross_load_with_torch_without_warnings():
+    ours = GradScaler("cpu", init_scale=16.0, hysteresis=3, min_scale=1.0)
+    ours.scale(torch.ones(()))
+    theirs = torch.amp.GradScaler("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        theirs.load_state_dict(ours.state_dict())
+    assert theirs.get_scale() == 16.0
+    theirs_sd = torch.amp.GradScaler("cpu", init_scale=32.0, growth_interval=7).state_dict()
+    back = GradScaler("cpu", hysteresis=3)
+    back.load_state_dict(theirs_sd)
+    assert back.get_scale() == 32.0 and back.get_growth_interval() == 7 and back.hysteresis == 3
+
+
+def test_endless_overflow_never_drives_the_scale_to_zero():
+    """torch's scaler reaches 0 after ~150 overflows in a row and the next clean step writes
+    nan into the weights; ours stops at the smallest normal float32."""
+    results = {}
+    for name, cls in (("torch", torch.amp.GradScaler), ("ours", GradScaler)):
+        param = torch.nn.Parameter(torch.ones(2))
+        opt = torch.optim.SGD([param], lr=0.1)
+        scaler = cls("cpu", **({} if name == "torch" else {"warn_consecutive_skips": None}))
+        for _ in range(200):
+            opt.zero_grad()
+            scaler.scale((param * float("inf")).sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+        opt.zero_grad()
+        scaler.scale(param.sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        results[name] = (scaler.get_scale(), param.detach().clone())
+    assert results["torch"][0] == 0.0 and torch.isnan(results["torch"][1]).all()
+    assert results["ours"][0] == torch.finfo(torch.float32).tiny
+    assert torch.equal(results["ours"][1], torch.full((2,), 0.9))
+
+
+def test_an_optimizer_without_gradients_does_not_wedge_the_scaler():
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler("cpu")
+    scaler.scale(torch.ones(()))
+    scaler.unscale_(opt)  # no gradients yet
+    with pytest.raises(RuntimeError, match="none of its parameters has a gradient"):
+        scaler.step(opt)
+    with pytest.raises(RuntimeError, match="per-optimizer state was reset"):
+        scaler.update()
+    # The next iteration runs normally.
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    scaler.unscale_(opt)
+    before = model.weight.detach().clone()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.skipped_steps == 0 and not torch.equal(model.weight, before)
+
+
+# ------------------------------------------------------------------------------------------
+# torch.amp.GradScaler's private members, read by code written for torch's scaler
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cls", [torch.amp.GradScaler, GradScaler], ids=["torch", "ours"])
+def test_private_members_behave_as_torchs(cls):
+    scaler = cls("cpu", init_scale=8.0)
+    assert scaler._scale is None and scaler._growth_tracker is None
+    assert scaler._enabled and scaler._device == "cpu" and scaler._init_scale == 8.0
+    scaler._lazy_init_scale_growth_tracker(scaler._device)
+    assert scaler._scale.dtype == torch.float32 and scaler._scale.shape == () and scaler._scale.item() == 8.0
+    assert scaler._growth_tracker.dtype == torch.int32 and scaler._growth_tracker.item() == 0
+    assert torch.equal(scaler._get_scale_async(), scaler._scale)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stage = torch.amp.grad_scaler.OptState
+    assert scaler._per_optimizer_states[id(opt)]["stage"] is stage.READY
+    scaler.scale(model(torch.ones(2, 3)).sum()).backward()
+    scaler.unscale_(opt)
+    assert scaler._per_optimizer_states[id(opt)]["stage"] is stage.UNSCALED
+    found = scaler._found_inf_per_device(opt)
+    assert [f.item() for f in found.values()] == [0.0]
+    model.weight.grad[0, 0] = float("inf")
+    assert sum(f.item() for f in scaler._check_inf_per_device(opt).values()) == 1.0
+
+
+@pytest.mark.parametrize("cls", [torch.amp.GradScaler, GradScaler], ids=["torch", "ours"])
+def test_unscale_grads_takes_allow_fp16_positionally(cls):
+    """torch's _unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16): with True,
+    fp16 gradients are unscaled; with False, refused."""
+    param = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
+    opt = torch.optim.SGD([param], lr=0.1)
+    scaler = cls("cpu", init_scale=4.0)
+    scaler._lazy_init_scale_growth_tracker("cpu")
+    param.grad = torch.full((4,), 8.0, dtype=torch.float16)
+    found = torch.zeros(())
+    scaler._unscale_grads_(opt, torch.tensor(0.25), found, True)
+    assert torch.equal(param.grad, torch.full((4,), 2.0, dtype=torch.float16)) and found.item() == 0.0
+    with pytest.raises(ValueError, match="FP16"):
+        scaler._unscale_grads_(opt, torch.tensor(0.25), found, False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_sparse_gradients_as_torch(dtype):
+    results = {}
+    for cls in (torch.amp.GradScaler, GradScaler):
+        param = torch.nn.Parameter(torch.zeros(4, dtype=dtype))
+        opt = torch.optim.SGD([param], lr=1.0)
+        scaler = cls("cpu", init_scale=2.0)
+        scaler._lazy_init_scale_growth_tracker("cpu")
+        # Duplicate indices: fp16 values that overflow only once summed (65504 + 65504).
+        idx = torch.tensor([[1, 1, 3]])
+        vals = torch.tensor([2.0, 6e4 if dtype is torch.float16 else 6.0, 4.0], dtype=dtype)
+        param.grad = torch.sparse_coo_tensor(idx, vals, (4,))
+        found = torch.zeros(())
+        scaler._unscale_grads_(opt, torch.tensor(0.5), found, True)
+        results[cls] = (found.item(), param.grad.coalesce().values().clone())
+    assert results[GradScaler][0] == results[torch.amp.GradScaler][0]
+    assert torch.equal(results[GradScaler][1], results[torch.amp.GradScaler][1])
+
+
+def test_no_overflow_at_huge_scales_and_nested_iterables_as_torch():
+    outs = {}
+    for cls in (torch.amp.GradScaler, GradScaler):
+        scaler = cls("cpu", init_scale=2.0**60)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(2, 1)
+        torch.nn.init.constant_(model.weight, 1e-20)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        scaled = scaler.scale([torch.ones(2), (torch.ones(1), [torch.full((2,), 3.0)])])
+        scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        outs[cls] = (scaled[1][1][0], scaler.get_scale(), model.bias.detach().clone())
+    assert torch.equal(outs[GradScaler][0], outs[torch.amp.GradScaler][0])
+    assert outs[GradScaler][1:2] == outs[torch.amp.GradScaler][1:2]
+    assert torch.equal(outs[GradScaler][2], outs[torch.amp.GradScaler][2])

@@ -36,9 +36,11 @@ the count of syncs stays the same; see "Note: found_inf across ranks" in
 
 from __future__ import annotations
 
+import collections
 import inspect
 import math
 import numbers
+import struct
 import warnings
 from collections import abc
 from dataclasses import dataclass, field
@@ -95,6 +97,34 @@ def _is_real(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+# The scale lives in a float32 tensor. The smallest normal float32: below it a scale is
+# subnormal or rounds to 0, and 1/scale overflows to inf or unscales gradients to nan.
+_FP32_TINY = torch.finfo(torch.float32).tiny
+
+
+def _as_float32(value: float) -> float:
+    """``value`` rounded to float32, as the scale tensor will hold it (inf past its range)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+def _usable_scale(value: float) -> bool:
+    """Whether ``value`` stored as the float32 scale is finite, normal and > 0."""
+    stored = _as_float32(float(value))
+    return math.isfinite(stored) and stored >= _FP32_TINY
+
+
+def _check_scale(name: str, value) -> None:
+    if not _is_real(value) or not _usable_scale(value):
+        raise ValueError(
+            f"{name} must be a finite number in float32's normal range "
+            f"[{_FP32_TINY:.4g}, {torch.finfo(torch.float32).max:.4g}] (the scale is stored in "
+            f"float32), got {value!r}."
+        )
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
@@ -109,8 +139,8 @@ def _check_config(growth_factor, backoff_factor, growth_interval, hysteresis, mi
     if not _is_int(hysteresis) or hysteresis < 1:
         raise ValueError(f"hysteresis must be an int >= 1, got {hysteresis!r}.")
     for name, v in (("min_scale", min_scale), ("max_scale", max_scale)):
-        if v is not None and (not _is_real(v) or not (math.isfinite(v) and v > 0)):
-            raise ValueError(f"{name} must be a finite float > 0 or None, got {v!r}.")
+        if v is not None:
+            _check_scale(name, v)
     if min_scale is not None and max_scale is not None and min_scale > max_scale:
         raise ValueError(f"min_scale ({min_scale}) must not exceed max_scale ({max_scale}).")
 
@@ -188,8 +218,7 @@ class GradScaler:
         if not self._enabled:
             return
         _check_config(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale)
-        if not _is_real(init_scale) or not (math.isfinite(init_scale) and init_scale > 0):
-            raise ValueError(f"init_scale must be a finite float > 0, got {init_scale!r}.")
+        _check_scale("init_scale", init_scale)
         if (min_scale is not None and init_scale < min_scale) or (max_scale is not None and init_scale > max_scale):
             raise ValueError(f"init_scale {init_scale} lies outside [min_scale, max_scale] = [{min_scale}, {max_scale}].")
         self._init_scale = float(init_scale)
@@ -254,13 +283,17 @@ class GradScaler:
                 grad = param.grad
                 if grad is None:
                     continue
-                if refuse_fp16 and grad.dtype is torch.float16:
+                if refuse_fp16 and grad.dtype in (torch.float16, torch.complex32):
                     raise ValueError(
                         "Attempting to unscale FP16 gradients: the parameters themselves are fp16. "
                         "Keep fp32 master parameters (autocast casts inside the forward) for GradScaler."
                     )
                 if type(grad) is not torch.Tensor or grad.is_sparse:  # noqa: E721 - subclasses (DTensor) take the slow path
                     grad = self._checkable_values(param, grad)
+                if grad.is_complex():
+                    # Unscaled and checked as its real and imaginary parts: a real view of
+                    # the same memory (the kernels take real dtypes only).
+                    grad = torch.view_as_real(grad)
                 grads.append(grad)
                 params.append(param)
         if not grads:
@@ -275,12 +308,24 @@ class GradScaler:
             gs.append(grad)
         return per_device
 
-    def _unscale_grads_(self, optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, check_only: bool = False, collected=None) -> dict[torch.device, torch.Tensor]:
+    def _unscale_grads_(
+        self,
+        optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool = True,
+        *,
+        check_only: bool = False,
+        collected=None,
+    ) -> dict[torch.device, torch.Tensor]:
         """Unscale (or only check) one optimizer's gradients; one fused call per device.
 
+        The positional signature is torch's (``allow_fp16=False`` refuses fp16 gradients,
+        as torch's ``unscale_`` does), since code written against torch's scaler calls it.
+        ``check_only``: read the gradients without writing them (fused optimizers).
         ``collected``: the optimizer's :meth:`_collect_grads`, when the caller already has it.
         """
-        per_device = self._collect_grads(optimizer, refuse_fp16=False) if collected is None else collected
+        per_device = self._collect_grads(optimizer, refuse_fp16=not allow_fp16) if collected is None else collected
         flags: dict[torch.device, torch.Tensor] = {}
         checked: dict[torch.device, tuple[list, list, Any]] = {}
         with torch.no_grad():
@@ -439,11 +484,13 @@ class GradScaler:
         if not self._enabled:
             return outputs
         if isinstance(outputs, torch.Tensor):
+            self._check_scalable(outputs)
             self._diagnostics.on_scale(outputs.device.type)
         per_device: dict[torch.device, torch.Tensor] = {}
 
         def apply(val):
             if isinstance(val, torch.Tensor):
+                self._check_scalable(val)
                 state = self._lazy_init(val.device)
                 scale = per_device.get(val.device)
                 if scale is None:
@@ -455,6 +502,15 @@ class GradScaler:
             raise TypeError(f"scale() expects a Tensor or an iterable of Tensors, got {type(val).__name__}.")
 
         return apply(outputs)
+
+    @staticmethod
+    def _check_scalable(t: torch.Tensor) -> None:
+        if t.device.type == "meta":
+            raise ValueError(
+                "scale() got a tensor on the meta device: it has no values, so there is no "
+                "loss to scale and no device to keep the scale on. Compute the loss on the "
+                "device the model runs on (meta tensors are for shape-only tracing)."
+            )
 
     def unscale_(self, optimizer, *optimizers) -> None:
         """Divide the optimizer's gradients by the scale, in place, and record inf/nan.
@@ -531,7 +587,13 @@ class GradScaler:
         if rec.stage is OptState.READY:
             self.unscale_(optimizer)
         if not rec.found_inf_per_device:
-            raise RuntimeError("No inf checks were recorded for this optimizer: none of its parameters has a gradient.")
+            raise RuntimeError(
+                "step(): no inf checks were recorded for this optimizer, because none of its "
+                "parameters has a gradient (.grad is None for all), so whether its step is safe "
+                "cannot be decided. Run backward() on a loss that reaches its parameters before "
+                "step(), or do not step this optimizer in this iteration; update() then starts "
+                "the next one."
+            )
         if rec.found_inf_host is None:
             self._read_pending_flags()
         if rec.found_inf_host:
@@ -603,8 +665,7 @@ class GradScaler:
                 if not new_scale.is_floating_point():
                     raise TypeError(f"{reason}; got dtype {new_scale.dtype}.")
             elif _is_real(new_scale):
-                if not (math.isfinite(new_scale) and new_scale > 0):
-                    raise ValueError(f"new_scale must be finite and > 0, got {new_scale!r}.")
+                _check_scale("new_scale", new_scale)
             else:
                 raise TypeError(f"new_scale must be a float or a 1-element tensor, got {type(new_scale).__name__}.")
         self._wait_reductions(self._records.values())
@@ -615,9 +676,14 @@ class GradScaler:
             for f in rec.found_inf_per_device.values()
         ]
         if new_scale is None and not found_infs:
+            # The iteration cannot end normally, but it is over: forget its per-optimizer
+            # state so the next one can unscale and step again.
+            self._records = {}
             raise RuntimeError(
-                "update() found no inf checks since the last update(): call scaler.step(optimizer) "
-                "(or unscale_) for at least one optimizer with gradients first."
+                "update() found no inf checks since the last update(): no optimizer stepped "
+                "with gradients. Call scaler.step(optimizer) (or unscale_) for at least one "
+                "optimizer whose parameters have gradients first. The scale is unchanged and "
+                "this iteration's per-optimizer state was reset."
             )
         combined = (torch.stack(found_infs).sum() if len(found_infs) > 1 else found_infs[0]) if found_infs else None
         # The scale this step ran with, before it changes.
@@ -638,7 +704,10 @@ class GradScaler:
                 self._backoff_factor,
                 self._growth_interval,
                 hysteresis=self._hysteresis,
-                min_scale=self._min_scale,
+                # Without a min_scale the scale still stops at the smallest normal
+                # float32: halving on into subnormals reaches 0 after ~150 overflows in a
+                # row, and a zero scale turns the next clean step's gradients into nan.
+                min_scale=self._min_scale if self._min_scale is not None else _FP32_TINY,
                 max_scale=self._max_scale,
                 backend=self._backend,
                 _validated=True,
@@ -874,8 +943,11 @@ class GradScaler:
             return None if v is None else float(v)
 
         scale = real("scale")
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"state_dict['scale'] must be finite and > 0, got {scale}.")
+        if not _usable_scale(scale):
+            raise ValueError(
+                f"state_dict['scale'] must be finite, > 0 and in float32's normal range "
+                f"(the scale is stored in float32; >= {_FP32_TINY:.4g}), got {scale}."
+            )
         growth_factor, backoff_factor = real("growth_factor"), real("backoff_factor")
         growth_interval = integer("growth_interval", None, 1)
         tracker = integer("_growth_tracker", None, 0)
@@ -892,6 +964,10 @@ class GradScaler:
         skipped = integer("_skipped_steps", 0, 0)
         if tracker > 2**31 - 1:
             raise ValueError(f"state_dict['_growth_tracker'] ({tracker}) does not fit an int32.")
+        if skipped > 2**63 - 1:
+            raise ValueError(f"state_dict['_skipped_steps'] ({skipped}) does not fit an int64.")
+        if (min_scale is not None and scale < min_scale) or (max_scale is not None and scale > max_scale):
+            raise ValueError(f"state_dict['scale'] ({scale}) lies outside [min_scale, max_scale] = [{min_scale}, {max_scale}].")
 
         # Validated: apply.
         self._init_scale, self._init_growth_tracker = scale, tracker
@@ -924,7 +1000,49 @@ class GradScaler:
         self.__dict__.update(state)
         self.__dict__.setdefault("_process_group", None)  # pickled before the argument existed
 
-    # Compatibility with code written against torch's private helpers (e.g. FSDP's scaler).
+    # ----------------------------------------------------------------------------------
+    # torch.amp.GradScaler's private members, with torch 2.13's meaning
+    # ----------------------------------------------------------------------------------
+    # Code written for torch's scaler reads these (accelerate calls
+    # _lazy_init_scale_growth_tracker when it loads FSDP2 checkpoints; PyTorch's own
+    # grad-scaling tests, FSDP's sharded scaler and others read _scale, _growth_tracker,
+    # _per_optimizer_states, _unscale_grads_). We keep the names instead of subclassing
+    # torch.amp.GradScaler: a subclass overriding every method would share only the class
+    # name, and would silently inherit, with torch's state layout, any method a later torch
+    # adds. isinstance(scaler, torch.amp.GradScaler) is therefore False; code that checks
+    # it needs our scaler accepted explicitly (dispatch_amp.integrations does that).
+
+    @property
+    def _scale(self) -> torch.Tensor | None:
+        """The scale tensor (0-d float32), or None before the first :meth:`scale`."""
+        return None if self._state is None else self._state.scale
+
+    @property
+    def _growth_tracker(self) -> torch.Tensor | None:
+        """Clean steps since the last change of scale (0-d int32), or None before the first :meth:`scale`."""
+        return None if self._state is None else self._state.growth_tracker
+
+    def _lazy_init_scale_growth_tracker(self, dev) -> None:
+        """Create the scale on ``dev`` now instead of at the first :meth:`scale` (as torch's)."""
+        if self._state is not None:
+            raise RuntimeError(f"_lazy_init_scale_growth_tracker: the scale already exists on {self._state.scale.device}.")
+        self._lazy_init(torch.device(dev))
+
+    @property
+    def _per_optimizer_states(self) -> dict[int, dict[str, Any]]:
+        """``id(optimizer) -> {"stage": torch.amp.grad_scaler.OptState, "found_inf_per_device": {...}}``.
+
+        A snapshot in torch's form; optimizers not seen this iteration read as READY.
+        """
+        from torch.amp.grad_scaler import OptState as TorchOptState
+
+        states: dict[int, dict[str, Any]] = collections.defaultdict(
+            lambda: {"stage": TorchOptState.READY, "found_inf_per_device": {}}
+        )
+        for key, rec in self._records.items():
+            states[key] = {"stage": TorchOptState[rec.stage.name], "found_inf_per_device": rec.found_inf_per_device}
+        return states
+
     def _found_inf_per_device(self, optimizer) -> dict[torch.device, torch.Tensor]:
         rec = self._records.get(id(optimizer))
         if rec is None:
