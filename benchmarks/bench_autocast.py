@@ -4,7 +4,7 @@ Usage::
 
     python benchmarks/bench_autocast.py [--quick] [--csv PATH]
 
-Suites (DESIGN.md "Performance method": same process, interleaved, warm-up first,
+Suites (docs/design.md, "Performance method": same process, interleaved, warm-up first,
 median over pairs; no timing is ever asserted anywhere):
 
 1. dispatch overhead: a loop of tiny ops (``x.add(y)``, ``torch.mm`` on 8x8,

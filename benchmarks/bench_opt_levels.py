@@ -15,7 +15,7 @@ One GPT-style model (benchmarks/models.py), AdamW, one full train step per sampl
 * ``O1``/``O2``/``O3``: ``dispatch_amp.opt_levels.initialize`` at that level, table
   defaults (O1/O2 dynamic loss scale, O3 none), ``scale_loss`` + ``optimizer.step()``.
 
-Time: DESIGN.md "Performance method": same process, interleaved in rotating order, warm-up
+Time (docs/design.md, "Performance method"): same process, interleaved in rotating order, warm-up
 first, medians, plus the median of the per-round ratio against ``native``. Memory: each
 configuration in its own subprocess, which reports ``resource.getrusage`` peak RSS after
 setup (model, optimizer, data, one warm-up step: optimizer state and master weights

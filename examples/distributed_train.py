@@ -4,8 +4,9 @@
     torchrun --nproc_per_node=2 examples/distributed_train.py --fsdp     # FSDP2 fully_shard
     torchrun --nproc_per_node=2 examples/distributed_train.py --inf-step 3   # rank 1 overflows once
 
-On GPUs it uses NCCL and float16 autocast; on CPU gloo and bfloat16 (float16 with
-``--dtype fp16``). The GradScaler is the same object in both cases: under FSDP2 the
+On GPUs it uses NCCL, on CPU gloo; float16 autocast with a GradScaler either way
+(``--dtype bf16`` runs bfloat16, which needs no loss scaling: the scaler is then
+created disabled). The GradScaler is the same object under DDP and FSDP2: under FSDP2 the
 gradients are DTensor shards and the scaler reduces its inf/nan flag across ranks, so
 every rank skips the same steps and keeps the same scale. Rank 0 prints, for each rank,
 the loss of its last batch, its scale and its count of skipped steps; the last two agree.
@@ -28,14 +29,14 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--fsdp", action="store_true", help="shard with FSDP2 fully_shard instead of DDP")
-    parser.add_argument("--dtype", choices=["fp16", "bf16"], default=None, help="default: fp16 on CUDA, bf16 on CPU")
+    parser.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16", help="autocast dtype (bf16 disables the scaler)")
     parser.add_argument("--inf-step", type=int, default=-1, help="put an inf into rank 1's batch at this step")
     return parser.parse_args()
 
 
 def train(args: argparse.Namespace, device: torch.device, rank: int, world: int) -> str:
     """Train; return this rank's summary line."""
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, None: torch.float16 if device.type == "cuda" else torch.bfloat16}[args.dtype]
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     torch.manual_seed(0)  # the same initial weights on every rank
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 10)).to(device)
     if args.fsdp:
@@ -48,7 +49,7 @@ def train(args: argparse.Namespace, device: torch.device, rank: int, world: int)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     # process_group=None (the default): reduce found_inf over the world group when the
     # parameters are DTensors (FSDP2); under DDP gradients are already identical everywhere.
-    scaler = amp.GradScaler(device.type, init_scale=2.0**12, growth_interval=5)
+    scaler = amp.GradScaler(device.type, init_scale=2.0**12, growth_interval=5, enabled=dtype is torch.float16)
 
     generator = torch.Generator().manual_seed(1234)
     for step in range(args.steps):

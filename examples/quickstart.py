@@ -10,7 +10,7 @@ import torch
 import dispatch_amp as amp
 
 
-def train(context_factory, steps: int = 30, seed: int = 0) -> tuple[float, float]:
+def train(context_factory, steps: int = 30, warmup: int = 3, seed: int = 0) -> tuple[float, float]:
     torch.manual_seed(seed)
     model = torch.nn.Sequential(
         torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.LayerNorm(256), torch.nn.Linear(256, 10)
@@ -18,8 +18,10 @@ def train(context_factory, steps: int = 30, seed: int = 0) -> tuple[float, float
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(512, 64)
     y = (x[:, :10].argmax(dim=1) + 3) % 10          # a learnable target
-    start = time.perf_counter()
-    for _ in range(steps):
+    start = None
+    for step in range(steps + warmup):
+        if step == warmup:                          # time only after the first steps
+            start = time.perf_counter()
         optimizer.zero_grad()
         with context_factory():
             loss = torch.nn.functional.cross_entropy(model(x), y)

@@ -42,10 +42,17 @@ class Table:
         return "\n".join(out)
 
 
+# Set by the runner for --quick: tiny sizes measure nothing worth a verdict.
+SMOKE_TEST = False
+
+
 def verdict(value, limit, *, at_most: bool = True) -> str:
-    """'met' / 'missed' against a target (information only: never asserted)."""
+    """'met' / 'missed' against a target (information only: never asserted); with
+    ``--quick``, "smoke test"."""
     if value is None:
         return "-"
+    if SMOKE_TEST:
+        return "smoke test"
     ok = value <= limit if at_most else value >= limit
     return "met" if ok else "missed"
 
@@ -63,7 +70,7 @@ def quantile(values, q: float) -> float:
 
 def rotations(items, rounds):
     """Per round, the items in rotated order (A B C, B C A, ...): interleaved, and none is
-    always first or always after the same other one (DESIGN.md "Performance method")."""
+    always first or always after the same other one (docs/design.md, "Performance method")."""
     items = list(items)
     for r in range(rounds):
         k = r % len(items)

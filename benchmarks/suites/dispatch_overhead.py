@@ -3,7 +3,7 @@
 A loop of one tiny op (``x.add(y)``, ``torch.mm`` on 8x8, ``x.view(64)``) is timed with
 no autocast, with native ``torch.autocast`` and with ours, interleaved; the extra cost per
 op is the distribution over repeats of (ours - native) per round, in microseconds.
-Target (issue 4): median extra <= 5 us per op.
+Target: median extra <= 5 us per op.
 """
 
 from __future__ import annotations

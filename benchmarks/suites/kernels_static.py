@@ -2,7 +2,7 @@
 
 Registers, local-memory spills, the width of the global loads and stores on full tiles
 (16 bytes is what makes them bandwidth-bound), and the found_inf stores per program, from
-``dispatch_amp.kernels.inspect_ptx`` (triton.compile for a CUDA target + the ptxas that
+``tools/inspect_ptx.py`` (triton.compile for a CUDA target + the ptxas that
 ships with triton). A GPU run later only confirms what this predicts. The same properties
 are asserted by tests/kernels/test_ptx.py.
 """
@@ -31,9 +31,9 @@ def run(opts) -> list[Table]:
              "the ragged last tile is masked and stays scalar.",
     )
     try:
-        from dispatch_amp.kernels.inspect_ptx import inspect_in_subprocess
+        from tools.loader import load  # the repository root is on sys.path here (benchmarks.run)
 
-        reports = inspect_in_subprocess()
+        reports = load("inspect_ptx").inspect_in_subprocess()
     except Exception as e:  # no triton / no nvidia backend on this machine
         table.note = f"skipped: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
         return [table]

@@ -1,6 +1,6 @@
 """scaler: the unscale + inf/nan check, and a full scaler step + update, ours vs torch (CPU).
 
-1. unscale + check (issue 3): ``dispatch_amp.kernels.unscale_check_`` and the read-only
+1. unscale + check: ``dispatch_amp.kernels.unscale_check_`` and the read-only
    ``check_finite_`` against ``torch._amp_foreach_non_finite_check_and_unscale_`` on
    64 x 512K fp32 gradients; GB/s at 8 bytes per element (read + write; 4 for the
    read-only check).
@@ -13,7 +13,7 @@
 3. host syncs per step: ``aten._local_scalar_dense`` calls (``.item()``, ``bool()``, ...)
    during one step + update, counted with a TorchDispatchMode.
 
-Targets (issue 4): step+update ours/torch <= 1.00 with SGD, <= 0.85 with fused AdamW; host
+Targets: step+update ours/torch <= 1.00 with SGD, <= 0.85 with fused AdamW; host
 syncs 1 / 1 / 0 for 1 SGD / 2 SGDs / fused AdamW.
 """
 

@@ -9,7 +9,7 @@ Peak memory: each (model, configuration) runs in its own process (``run.py --chi
 which resets the Linux high-water mark after setup and one warm-up step, runs three steps
 and reports the peak RSS (``VmHWM``) and the growth over the RSS before the steps.
 
-Targets (issue 4): time ours/native <= 1.03 per model; peak memory ours/native <= 1.00.
+Targets: time ours/native <= 1.03 per model; peak memory ours/native <= 1.00.
 """
 
 from __future__ import annotations

@@ -336,7 +336,7 @@ class ScalerDiagnostics:
         """Warn, once, when the loss being scaled came from bfloat16 autocast."""
         if not self.warn_bf16 or self._warned_bf16:
             return
-        # Ours: a bf16 region was entered since the scaler last looked (the seeds' pattern
+        # Ours: a bf16 region was entered since the scaler last looked (the usual loop
         # computes the loss inside it and scales outside). Native: only while inside one.
         entered = regions_entered(device_type, torch.bfloat16)
         ours = entered > self._bf16_marks.get(device_type, 0)

@@ -1,9 +1,9 @@
 """GPU-less checks of the Triton kernels as compiled for sm_80 and sm_90.
 
-Triton compiles for a GPU target without a GPU; ``dispatch_amp.kernels.inspect_ptx``
+Triton compiles for a GPU target without a GPU; ``tools/inspect_ptx.py``
 compiles the real kernels from kernels/*.py, runs the ptxas that ships with triton, and
 classifies the PTX global accesses (see its module note). These tests pin down what makes
-the unscale/check kernels bandwidth-bound on a real GPU (DESIGN.md facts 7-9): 16-byte
+the unscale/check kernels bandwidth-bound on a real GPU (docs/design.md, "Kernels"): 16-byte
 loads and stores on full tiles for fp32 and 16-bit gradients, no local-memory spills, one
 found_inf store per program; with per-tensor flags (the ``+nonfinite`` builds, PER_TENSOR=True)
 the same, plus one nonfinite store per tensor segment outside the tile loops, and none at
@@ -17,8 +17,20 @@ import pytest
 pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia.compiler")
 
-from dispatch_amp.kernels import inspect_ptx  # noqa: E402
-from dispatch_amp.kernels.inspect_ptx import TARGETS, inspect_in_subprocess  # noqa: E402
+def _load_tool(name):
+    # tools/ is a developer folder, outside the installed package: load it by path.
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "tools" / "loader.py"
+    spec = importlib.util.spec_from_file_location("dispatch_amp_tools_loader", path)
+    loader = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loader)
+    return loader.load(name)
+
+
+inspect_ptx = _load_tool("inspect_ptx")
+TARGETS, inspect_in_subprocess = inspect_ptx.TARGETS, inspect_ptx.inspect_in_subprocess
 
 TILE_KERNELS = ("unscale_check_", "check_finite_", "unscale_check_+nonfinite", "check_finite_+nonfinite")
 STORE_KERNELS = ("unscale_check_", "unscale_check_+nonfinite")

@@ -1,9 +1,12 @@
 """Static inspection of the Triton kernels as compiled for NVIDIA GPUs, on a machine without one.
 
+A developer tool, outside the installed package: tests/kernels/test_ptx.py and the
+benchmarks' kernels suite load it with :func:`load` from this folder.
+
 Triton compiles for a GPU target without the GPU being present:
 ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`` gives the Triton IR, the
 PTX and (through the ``ptxas`` that ships with triton) a cubin. That is enough to check,
-before any GPU run, what makes the memory-bound kernels fast (DESIGN.md facts 7-9):
+before any GPU run, what makes the memory-bound kernels fast (docs/design.md, "Kernels"):
 
 * full tiles use 16-byte global loads and stores (``ld.global.v4.b32``, also for 16-bit
   gradients, 8 values per access), so a warp moves 512 bytes per instruction;
@@ -14,7 +17,7 @@ before any GPU run, what makes the memory-bound kernels fast (DESIGN.md facts 7-
 
 Usage::
 
-    python -m dispatch_amp.kernels.inspect_ptx [--targets 80 90] [--json]
+    python tools/inspect_ptx.py [--targets 80 90] [--json]
 
 Note: how PTX instructions are tied to the kernel source
 --------------------------------------------------------
@@ -429,7 +432,7 @@ def inspect_in_subprocess(targets=TARGETS, timeout: float = 300) -> list[KernelR
     """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9 warns when unset; 1 is its default
-    cmd = [sys.executable, "-m", "dispatch_amp.kernels.inspect_ptx", "--json", "--targets", *map(str, targets)]
+    cmd = [sys.executable, os.path.abspath(__file__), "--json", "--targets", *map(str, targets)]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     if res.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({res.returncode}):\n{res.stderr[-4000:]}")
