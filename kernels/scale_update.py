@@ -28,8 +28,11 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 
 import torch
+
+from .unscale import BACKENDS
 
 try:  # Triton is optional: the torch path below works without it.
     import triton
@@ -142,8 +145,8 @@ def _factors(device, growth_factor, backoff_factor, min_scale, max_scale) -> tor
 
 
 def _validate(state: ScaleState, found_inf, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale, backend) -> None:
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"update_scale_: backend must be 'auto', 'triton' or 'torch', got {backend!r}.")
+    if backend not in BACKENDS:
+        raise ValueError(f"update_scale_: backend must be one of {BACKENDS}, got {backend!r}.")
     if state.scale.dtype != torch.float32 or state.scale.numel() != 1:
         raise TypeError("update_scale_: scale must be a 1-element float32 tensor.")
     if state.growth_tracker.dtype != torch.int32 or state.growth_tracker.numel() != 1:
@@ -209,7 +212,6 @@ def update_scale_(
     min_scale: float | None = None,
     max_scale: float | None = None,
     backend: str = "auto",
-    _validated: bool = False,
 ) -> None:
     """Advance the loss-scale state by one step, on the device, without a host sync.
 
@@ -227,10 +229,14 @@ def update_scale_(
         >>> st.scale.item(), st.skipped_steps.item()
         (512.0, 2)
     """
-    # _validated: the caller (GradScaler) built the state and checked the configuration;
-    # this runs once per training step, where every microsecond shows on small models.
-    if not _validated:
-        _validate(state, found_inf, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale, backend)
+    _validate(state, found_inf, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale, backend)
+    _update_scale(state, found_inf, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale, backend)
+
+
+def _update_scale(state, found_inf, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale, backend) -> None:
+    """:func:`update_scale_` without its checks, for GradScaler: it built the state and
+    checked the configuration, and this runs once per training step, where every
+    microsecond shows on small models."""
     device = state.scale.device
     use_triton = backend == "triton" or (backend == "auto" and triton is not None and device.type == "cuda")
     if use_triton:
@@ -259,6 +265,20 @@ def update_scale_(
             _torch_update(state, found_inf, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale)
 
 
+def round_to_float32(value: float) -> float:
+    """``value`` rounded to float32 (to nearest even), as a Python float; inf past its range.
+
+    Example::
+
+        >>> round_to_float32(0.1), round_to_float32(1e39)
+        (0.10000000149011612, inf)
+    """
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
 def update_scale_reference(
     scale: float,
     growth_tracker: int,
@@ -282,9 +302,7 @@ def update_scale_reference(
         >>> update_scale_reference(1024.0, 1, 0.0, 2.0, 0.5, 2)
         (2048.0, 0, 1, False, False)
     """
-    import numpy as np  # test-time dependency only; the package itself needs just torch
-
-    f32 = np.float32
+    f32 = round_to_float32
     found = found_inf != 0 or math.isnan(found_inf)
     if found:
         hyst = max(hysteresis_tracker - 1, 0)
@@ -297,8 +315,7 @@ def update_scale_reference(
         return float(f32(scale)), 0, hyst, True, hit
     succ = growth_tracker + 1
     if succ == growth_interval:
-        with np.errstate(over="ignore"):
-            grown = float(f32(float(f32(scale)) * growth_factor))
+        grown = float(f32(float(f32(scale)) * growth_factor))
         if max_scale is not None:
             grown = min(grown, float(f32(max_scale)))
         if math.isfinite(grown):

@@ -493,6 +493,9 @@ def _validate(grads, inv_scale, found_inf, nonfinite, backend: str, name: str, p
     for k, g in enumerate(grads if per_grad else ()):
         if not isinstance(g, torch.Tensor):
             raise TypeError(f"{name}: grads[{k}] is a {type(g).__name__}, not a tensor.")
+        if g.is_complex() and not g.is_sparse:
+            # Real and imaginary parts, through a real view of the same memory.
+            grads[k] = g = torch.view_as_real(g)
         if not g.is_floating_point():
             raise TypeError(f"{name}: grads[{k}] has dtype {g.dtype}; gradients must be floating point.")
         if g.device != found_inf.device:
@@ -584,15 +587,14 @@ def unscale_check_(
     backend: str = "auto",
     *,
     nonfinite: torch.Tensor | None = None,
-    _num_programs: int | None = None,
-    _grads_validated: bool = False,
 ) -> None:
     """Multiply every gradient by ``inv_scale`` in place; set ``found_inf`` to 1.0 on any inf/nan.
 
     Same contract as ``torch._amp_foreach_non_finite_check_and_unscale_`` (the check looks
     at the values before scaling; ``found_inf`` is only ever raised, never cleared), with
     argument order ``(grads, inv_scale, found_inf)``. Gradients may mix fp32, fp16 and bf16
-    and have any sizes; all must be on ``found_inf``'s device. Never synchronizes.
+    and have any sizes; all must be on ``found_inf``'s device. Complex gradients are
+    unscaled and checked as their real and imaginary parts. Never synchronizes.
 
     ``backend``: ``"auto"`` (Triton for CUDA tensors when triton is installed, else torch),
     ``"triton"`` (one launch for all fp32/fp16/bf16 gradients; on CPU only under
@@ -613,9 +615,7 @@ def unscale_check_(
         >>> grads[0].tolist(), found_inf.item(), per_tensor.tolist()
         ([1.0, 1.0, 1.0], 1.0, [0, 1])
     """
-    # _grads_validated: the caller (GradScaler) guarantees dense floating tensors on
-    # found_inf's device, so the per-gradient checks (about 1 us each on CPU) are skipped.
-    _dispatch(grads, inv_scale, found_inf, nonfinite, backend, True, "unscale_check_", _num_programs, _grads_validated)
+    _unscale_check(grads, inv_scale, found_inf, backend, nonfinite=nonfinite)
 
 
 def check_finite_(
@@ -624,8 +624,6 @@ def check_finite_(
     backend: str = "auto",
     *,
     nonfinite: torch.Tensor | None = None,
-    _num_programs: int | None = None,
-    _grads_validated: bool = False,
 ) -> None:
     """Set ``found_inf`` to 1.0 if any gradient holds an inf or nan; gradients are not modified.
 
@@ -643,4 +641,16 @@ def check_finite_(
         >>> found_inf.item(), per_tensor.tolist()
         (1.0, [0, 1])
     """
-    _dispatch(grads, None, found_inf, nonfinite, backend, False, "check_finite_", _num_programs, _grads_validated)
+    _check_finite(grads, found_inf, backend, nonfinite=nonfinite)
+
+
+# Internal entries. ``trusted``: the caller (GradScaler) guarantees real dense floating
+# tensors on found_inf's device, so the per-gradient checks (about 1 us each on CPU) are
+# skipped; the cheap checks of the other arguments still run. ``num_programs`` overrides
+# the Triton grid (tests cover grids smaller and larger than the tile count).
+def _unscale_check(grads, inv_scale, found_inf, backend="auto", *, nonfinite=None, trusted=False, num_programs=None) -> None:
+    _dispatch(grads, inv_scale, found_inf, nonfinite, backend, True, "unscale_check_", num_programs, trusted)
+
+
+def _check_finite(grads, found_inf, backend="auto", *, nonfinite=None, trusted=False, num_programs=None) -> None:
+    _dispatch(grads, None, found_inf, nonfinite, backend, False, "check_finite_", num_programs, trusted)

@@ -40,7 +40,6 @@ import collections
 import inspect
 import math
 import numbers
-import struct
 import warnings
 from collections import abc
 from dataclasses import dataclass, field
@@ -50,9 +49,8 @@ from typing import Any
 import torch
 
 from . import distributed as _dist
-from .kernels import check_finite_, unscale_check_
-from .kernels.scale_update import ScaleState, update_scale_
-from .kernels.unscale import uses_triton
+from .kernels.scale_update import ScaleState, _update_scale, round_to_float32
+from .kernels.unscale import BACKENDS, _check_finite, _unscale_check, uses_triton
 from .scaler_diagnostics import AmpNumericsWarning, OverflowReport, ScalerDiagnostics
 
 
@@ -102,17 +100,9 @@ def _is_real(x: Any) -> bool:
 _FP32_TINY = torch.finfo(torch.float32).tiny
 
 
-def _as_float32(value: float) -> float:
-    """``value`` rounded to float32, as the scale tensor will hold it (inf past its range)."""
-    try:
-        return struct.unpack("f", struct.pack("f", value))[0]
-    except OverflowError:
-        return math.copysign(math.inf, value)
-
-
 def _usable_scale(value: float) -> bool:
     """Whether ``value`` stored as the float32 scale is finite, normal and > 0."""
-    stored = _as_float32(float(value))
+    stored = round_to_float32(float(value))
     return math.isfinite(stored) and stored >= _FP32_TINY
 
 
@@ -210,8 +200,8 @@ class GradScaler:
         if device == "cuda" and enabled and not torch.cuda.is_available():
             warnings.warn("GradScaler is enabled for 'cuda', but CUDA is not available. Disabling.", stacklevel=2)
             self._enabled = False
-        if backend not in ("auto", "triton", "torch"):
-            raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}.")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
         self._backend = backend
         _dist.check_process_group_arg(process_group)
         self._process_group = process_group
@@ -335,10 +325,10 @@ class GradScaler:
                 # torch path would pay a pass for them on every step (scaler_diagnostics).
                 nonfinite = torch.zeros(len(grads), dtype=torch.int32, device=device) if uses_triton(device, self._backend) else None
                 if check_only:
-                    check_finite_(grads, flag, backend=self._backend, nonfinite=nonfinite, _grads_validated=True)
+                    _check_finite(grads, flag, self._backend, nonfinite=nonfinite, trusted=True)
                 else:
                     inv = inv_scale if device == inv_scale.device else inv_scale.to(device, non_blocking=True)
-                    unscale_check_(grads, inv, flag, backend=self._backend, nonfinite=nonfinite, _grads_validated=True)
+                    _unscale_check(grads, inv, flag, self._backend, nonfinite=nonfinite, trusted=True)
                 flags[device] = flag
                 checked[device] = (params, grads, nonfinite)
         self._record(optimizer).checked_per_device = checked
@@ -697,7 +687,7 @@ class GradScaler:
             if combined is not None:  # the step was still skipped; keep the count honest
                 state.skipped_steps.add_(combined != 0)
         else:
-            update_scale_(
+            _update_scale(
                 state,
                 combined,
                 self._growth_factor,
@@ -710,7 +700,6 @@ class GradScaler:
                 min_scale=self._min_scale if self._min_scale is not None else _FP32_TINY,
                 max_scale=self._max_scale,
                 backend=self._backend,
-                _validated=True,
             )
         seen = [rec.found_inf_host for rec in self._records.values() if rec.found_inf_host is not None]
         self._diagnostics.on_update(seen, self.get_scale)

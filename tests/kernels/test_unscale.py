@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dispatch_amp.kernels import check_finite_, clear_table_cache, unscale_check_, unscale_check_reference
@@ -83,7 +83,7 @@ def run_backend(backend, grads, inv, found, programs=None):
     if backend == "reference":
         unscale_check_reference(grads, inv, found)
     else:
-        unscale_check_(grads, inv, found, backend=backend, _num_programs=programs)
+        unscale_mod._unscale_check(grads, inv, found, backend, num_programs=programs)
 
 
 BACKENDS = ["torch", "reference", pytest.param("triton", marks=needs_interpreter)]
@@ -110,7 +110,7 @@ def test_check_finite_is_read_only(backend, grads, programs):
     if backend == "reference":
         unscale_check_reference(grads, None, found, store=False)
     else:
-        check_finite_(grads, found, backend=backend, _num_programs=programs)
+        unscale_mod._check_finite(grads, found, backend, num_programs=programs)
     assert found.item() == found_ref.item()
     for got, want in zip(grads, before):
         assert_bits_equal(got, want)
@@ -279,9 +279,9 @@ def test_per_tensor_flags_match_the_reference(op, backend, grads, scale, program
         ref, found_ref = [g.clone() for g in grads], oracle([g.clone() for g in grads], torch.ones(()))[1]
     found, nonfinite = torch.zeros(()), before.clone()
     if op == "unscale_check_":
-        unscale_check_(grads, inv, found, backend=backend, nonfinite=nonfinite, _num_programs=programs)
+        unscale_mod._unscale_check(grads, inv, found, backend, nonfinite=nonfinite, num_programs=programs)
     else:
-        check_finite_(grads, found, backend=backend, nonfinite=nonfinite, _num_programs=programs)
+        unscale_mod._check_finite(grads, found, backend, nonfinite=nonfinite, num_programs=programs)
     assert nonfinite.tolist() == want.tolist()
     assert found.item() == found_ref.item()
     for got, expected in zip(grads, ref):
@@ -318,7 +318,7 @@ def test_per_tensor_flags_across_program_tile_ranges(backend, bad):
     inv = inv_of(1024.0)
     ref, found_ref = oracle(grads, inv)
     found, nonfinite = torch.zeros(()), torch.zeros(len(grads), dtype=torch.int32)
-    unscale_check_(grads, inv, found, backend=backend, nonfinite=nonfinite, _num_programs=4)
+    unscale_mod._unscale_check(grads, inv, found, backend, nonfinite=nonfinite, num_programs=4)
     assert nonfinite.tolist() == [int(any(k == j for j, _ in bad)) for k in range(len(grads))]
     assert found.item() == found_ref.item() == float(bool(bad))
     for got, want in zip(grads, ref):
@@ -352,7 +352,7 @@ def test_per_tensor_flags_of_gradients_routed_to_torch_inside_a_triton_call(monk
     inv = inv_of(3.0)
     ref, found_ref = oracle(grads, inv)
     found, nonfinite = torch.zeros(()), torch.zeros(len(grads), dtype=torch.int32)
-    unscale_check_(grads, inv, found, backend="triton", nonfinite=nonfinite, _num_programs=programs)
+    unscale_mod._unscale_check(grads, inv, found, "triton", nonfinite=nonfinite, num_programs=programs)
     assert checked == [0, 2, 3, 5, 7]
     assert nonfinite.tolist() == [1, 1, 1, 0, 0, 1, 1, 0]
     assert found.item() == found_ref.item() == 1.0
@@ -400,7 +400,7 @@ def test_nonfinite_none_is_the_old_behaviour(monkeypatch, backend):
     inv = inv_of(8.0)
     ref, found_ref = oracle(grads, inv)
     found = torch.zeros(())
-    unscale_check_(grads, inv, found, backend=backend, _num_programs=2)
+    unscale_mod._unscale_check(grads, inv, found, backend, num_programs=2)
     assert found.item() == found_ref.item() == 1.0
     for got, want in zip(grads, ref):
         assert_bits_equal(got, want)
@@ -445,7 +445,7 @@ def test_check_finite_with_nonfinite_stores_nothing_into_gradients_on_triton():
         g[-1] = float("inf")
     before = [g.clone() for g in grads]
     found, nonfinite = torch.zeros(()), torch.zeros(len(grads), dtype=torch.int32)
-    check_finite_(grads, found, backend="triton", nonfinite=nonfinite, _num_programs=3)
+    unscale_mod._check_finite(grads, found, "triton", nonfinite=nonfinite, num_programs=3)
     assert nonfinite.tolist() == [1, 1, 1, 0] and found.item() == 1.0
     for got, want in zip(grads, before):  # raw bits, nan payloads included
         assert torch.equal(got.view(BITS[got.dtype]), want.view(BITS[want.dtype]))
@@ -552,3 +552,26 @@ def test_table_cache_key_includes_slots():
     check_finite_([x, a], torch.zeros(()), backend="triton", nonfinite=second)
     assert first.tolist() == [1, 0] and second.tolist() == [0, 1]
     assert len(unscale_mod._table_cache) == 2
+
+
+finite_or_special = st.one_of(
+    st.floats(width=32, min_value=-1e6, max_value=1e6), st.sampled_from([float("inf"), float("-inf"), float("nan")])
+)
+
+
+@settings(max_examples=30)
+@given(
+    parts=st.lists(st.tuples(finite_or_special, finite_or_special), min_size=1, max_size=9),
+    dtype=st.sampled_from([torch.complex64, torch.complex128]),
+    backend=st.sampled_from(["torch", "triton"]),
+)
+def test_public_entries_take_complex_gradients_as_real_and_imaginary_parts(parts, dtype, backend):
+    grad = torch.tensor([complex(re, im) for re, im in parts], dtype=dtype)
+    want = torch.view_as_real(grad).clone()
+    want_found = torch.zeros(())
+    unscale_check_reference([want], torch.tensor(0.5), want_found)
+    found = torch.zeros(())
+    unscale_check_([grad], torch.tensor(0.5), found, backend=backend)
+    assert found.item() == want_found.item()
+    if not want_found.item():
+        assert torch.equal(torch.view_as_real(grad), want)
