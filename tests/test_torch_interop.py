@@ -128,34 +128,27 @@ def test_recurrent_modules_with_bf16_weights_take_float32_input(cls, grad):
         module(x)  # outside autocast torch refuses, as it should
 
 
-class ThirdPartyMatmul(torch.autograd.Function):
-    """Written for torch: decorated with torch.amp's custom_fwd/custom_bwd, not ours."""
+def third_party_matmul(cast_inputs):
+    """A Function written for torch: decorated with torch.amp's custom_fwd/custom_bwd, not ours."""
 
-    @staticmethod
-    @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
-    def forward(ctx, a, b):
-        ctx.save_for_backward(a, b)
-        return a @ b
+    class Matmul(torch.autograd.Function):
+        @staticmethod
+        @torch.amp.custom_fwd(device_type="cpu", cast_inputs=cast_inputs)
+        def forward(ctx, a, b):
+            ctx.save_for_backward(a, b)
+            return a @ b
 
-    @staticmethod
-    @torch.amp.custom_bwd(device_type="cpu")
-    def backward(ctx, grad):
-        a, b = ctx.saved_tensors
-        return grad @ b.t(), a.t() @ grad
+        @staticmethod
+        @torch.amp.custom_bwd(device_type="cpu")
+        def backward(ctx, grad):
+            a, b = ctx.saved_tensors
+            return grad @ b.t().to(grad.dtype), a.t().to(grad.dtype) @ grad
+
+    return Matmul
 
 
-class ThirdPartyFollowsAutocast(torch.autograd.Function):
-    @staticmethod
-    @torch.amp.custom_fwd(device_type="cpu")
-    def forward(ctx, a, b):
-        ctx.save_for_backward(a, b)
-        return a @ b
-
-    @staticmethod
-    @torch.amp.custom_bwd(device_type="cpu")
-    def backward(ctx, grad):
-        a, b = ctx.saved_tensors
-        return grad @ b.t().to(grad.dtype), a.t().to(grad.dtype) @ grad
+ThirdPartyMatmul = third_party_matmul(torch.float32)  # runs in float32 with autocast off
+ThirdPartyFollowsAutocast = third_party_matmul(None)  # follows the region
 
 
 @pytest.mark.parametrize("function", [ThirdPartyMatmul, ThirdPartyFollowsAutocast])
