@@ -81,6 +81,17 @@ def _check_device_type(device_type) -> str:
     return device_type
 
 
+def device_dtypes(device_type: str) -> tuple[torch.dtype, tuple[torch.dtype, ...]]:
+    """``(default dtype, supported dtypes)`` of autocast for ``device_type`` ("cpu" or "cuda").
+
+    Example::
+
+        >>> device_dtypes("cuda")
+        (torch.float16, (torch.float16, torch.bfloat16))
+    """
+    return _DEVICES[_check_device_type(device_type)]
+
+
 def _usable(device_type: str, dtype: torch.dtype) -> str | None:
     """Why an enabled region of this device type and dtype cannot cast here, or None.
 

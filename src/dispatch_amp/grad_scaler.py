@@ -153,7 +153,7 @@ class GradScaler:
       inf/nan on the last skipped step, by parameter name after :meth:`name_parameters`),
       and warnings of category :class:`AmpNumericsWarning` after ``warn_consecutive_skips``
       skipped steps in a row (None: never) and when the scale is used with bfloat16
-      autocast, which does not need it. Each skipped step is also logged at INFO level on
+      autocast, which does not need it (``warn_bf16=False``: never). Each skipped step is also logged at INFO level on
       the ``"dispatch_amp"`` logger.
     * ``backend``: kernel backend for unscale and update (``"auto"``, ``"triton"``, ``"torch"``).
     * ``process_group``: for torch.distributed, the group over which each optimizer's
@@ -193,10 +193,12 @@ class GradScaler:
         process_group: Any = None,
         history_size: int = 10_000,
         warn_consecutive_skips: int | None = 10,
+        warn_bf16: bool = True,
     ) -> None:
         self._device = device
         self._enabled = enabled
         self._diagnostics = ScalerDiagnostics(history_size, warn_consecutive_skips)
+        self._diagnostics.warn_bf16 = bool(warn_bf16)
         if device == "cuda" and enabled and not torch.cuda.is_available():
             warnings.warn("GradScaler is enabled for 'cuda', but CUDA is not available. Disabling.", stacklevel=2)
             self._enabled = False
@@ -709,8 +711,41 @@ class GradScaler:
     # accessors
     # ----------------------------------------------------------------------------------
 
-    def _get_scale_async(self) -> torch.Tensor | None:
+    def scale_tensor(self) -> torch.Tensor | None:
+        """The scale as a 0-d float32 tensor on its device (no sync), None before the first :meth:`scale`.
+
+        Example::
+
+            >>> scaler = GradScaler("cpu", init_scale=8.0)
+            >>> _ = scaler.scale(torch.ones(()))
+            >>> scaler.scale_tensor()
+            tensor(8.)
+        """
         return None if self._state is None else self._state.scale
+
+    def found_inf_per_device(self, optimizer) -> dict[torch.device, torch.Tensor]:
+        """The inf/nan flags recorded for ``optimizer`` this iteration (no sync).
+
+        ``device -> 0-d float32 tensor``, nonzero where that device's gradients held an
+        inf or nan; empty before :meth:`unscale_` or :meth:`step` of this optimizer.
+
+        Example::
+
+            >>> model = torch.nn.Linear(2, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> scaler = GradScaler("cpu")
+            >>> scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+            >>> scaler.unscale_(opt)
+            >>> [flag.item() for flag in scaler.found_inf_per_device(opt).values()]
+            [0.0]
+        """
+        rec = self._records.get(id(optimizer))
+        if rec is None:
+            return {}
+        self._wait_reductions([rec])
+        return rec.found_inf_per_device
+
+    def _get_scale_async(self) -> torch.Tensor | None:
+        return self.scale_tensor()
 
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when disabled). Syncs with the device.
@@ -1033,11 +1068,7 @@ class GradScaler:
         return states
 
     def _found_inf_per_device(self, optimizer) -> dict[torch.device, torch.Tensor]:
-        rec = self._records.get(id(optimizer))
-        if rec is None:
-            return {}
-        self._wait_reductions([rec])
-        return rec.found_inf_per_device
+        return self.found_inf_per_device(optimizer)
 
     def _check_inf_per_device(self, optimizer) -> dict[torch.device, torch.Tensor]:
         state = self._require_state("_check_inf_per_device")

@@ -83,7 +83,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .autocast import _DEVICES, autocast
+from .autocast import autocast, device_dtypes
 from .grad_scaler import GradScaler
 
 __all__ = ["OptLevelProperties", "initialize", "scale_loss", "master_params", "loss_scalers"]
@@ -195,9 +195,10 @@ class OptLevelProperties:
         if opt_level not in _LEVELS:
             hint = " (the letter O, not the digit 0)" if isinstance(opt_level, str) and opt_level[:1] == "0" else ""
             raise ValueError(f"unknown opt_level {opt_level!r}{hint}; valid levels: {_LEVEL_HELP}")
-        if device_type not in _DEVICES:
-            raise ValueError(f"unsupported device type {device_type!r}: opt levels support {sorted(_DEVICES)}")
-        default_dtype, supported = _DEVICES[device_type]
+        try:
+            default_dtype, supported = device_dtypes(device_type)
+        except (RuntimeError, ValueError) as e:
+            raise ValueError(f"unsupported device type {device_type!r} for opt levels: {e}") from None
         for name, value in (("dtype", dtype), ("cast_model_outputs", cast_model_outputs)):
             if value is not None and not isinstance(value, torch.dtype):
                 raise TypeError(f"{name} must be a torch.dtype or None, got {type(value).__name__}")
@@ -314,15 +315,12 @@ class OptLevelProperties:
         """
         if not self.uses_scaler:
             return None
-        if self.loss_scale == _DYNAMIC:
-            scaler = GradScaler(self.device_type, min_scale=self.min_loss_scale, max_scale=self.max_loss_scale)
-        else:
-            # Static: the scale is reset by update(new_scale=...) after every scale_loss.
-            scaler = GradScaler(self.device_type, init_scale=self.loss_scale)
         # The level's table gives it a loss scale whatever the dtype: choosing the level
         # chose the scaler, so the "not needed with bfloat16" warning would only be noise.
-        scaler._diagnostics.warn_bf16 = False
-        return scaler
+        if self.loss_scale == _DYNAMIC:
+            return GradScaler(self.device_type, min_scale=self.min_loss_scale, max_scale=self.max_loss_scale, warn_bf16=False)
+        # Static: the scale is reset by update(new_scale=...) after every scale_loss.
+        return GradScaler(self.device_type, init_scale=self.loss_scale, warn_bf16=False)
 
 
 # ----------------------------------------------------------------------------------------
@@ -760,13 +758,13 @@ def scale_loss(loss: torch.Tensor, optimizers, loss_id: int = 0):
         a.copy_grads_to_masters()
     if scaler is not None:
         scaler.unscale_(*opts)
-        flags = [f for o in opts for f in scaler._found_inf_per_device(o).values()]
+        flags = [f for o in opts for f in scaler.found_inf_per_device(o).values()]
         if handle.props.loss_scale != _DYNAMIC:
             scaler.update(new_scale=handle.props.loss_scale)  # static: the flag still skips the step
         elif flags:
             scaler.update()
         else:  # no parameter got a gradient: nothing to judge, keep the scale, end the iteration
-            scaler.update(new_scale=scaler._get_scale_async().clone())
+            scaler.update(new_scale=scaler.scale_tensor().clone())
         if flags:
             device = flags[0].device
             found = torch.stack([f.to(device) for f in flags]).sum() if len(flags) > 1 else flags[0]
