@@ -38,7 +38,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["local_tensor", "is_dtensor", "resolve_process_group", "all_reduce_max_async", "NO_REDUCTION"]
+__all__ = [
+    "local_tensor", "is_dtensor", "resolve_process_group", "all_reduce_max_async",
+    "reduce_found_inf_async", "wait_reductions", "NO_REDUCTION",
+]
 
 # resolve_process_group's answer for "do not reduce" (None already means the default group
 # to torch.distributed).
@@ -128,6 +131,57 @@ def all_reduce_max_async(flags: list[torch.Tensor], group: Any) -> tuple[list[to
         out = list(buf.unbind(0))
     work = torch.distributed.all_reduce(buf, op=torch.distributed.ReduceOp.MAX, group=group, async_op=True)
     return out, work
+
+
+def reduce_found_inf_async(records, device: torch.device) -> None:
+    """Start the cross-rank MAX of optimizers' found_inf flags; waits for nothing.
+
+    ``records``: ``(process group or NO_REDUCTION, record)`` pairs, a record being
+    GradScaler's per-optimizer state (``found_inf_per_device``, ``work``). Each reduced
+    record's flags collapse to one flag on ``device``, the tensor the reduction writes,
+    and its ``work`` is the handle :func:`wait_reductions` waits on. One collective per
+    group for all records that share it.
+
+    Example::
+
+        reduce_found_inf_async([(group, rec1), (group, rec2)], scale.device)
+        ...
+        wait_reductions([rec1, rec2])   # before anything reads the flags
+    """
+    by_group: dict[int, tuple[Any, list]] = {}
+    for group, rec in records:
+        if group is not NO_REDUCTION:
+            by_group.setdefault(id(group), (group, []))[1].append(rec)
+    for group, recs in by_group.values():
+        flags = []
+        for rec in recs:
+            per_dev = list(rec.found_inf_per_device.values())
+            if len(per_dev) == 1 and per_dev[0].device == device:
+                flags.append(per_dev[0])
+            elif per_dev:  # several devices (e.g. offloaded shards): one flag for all
+                flags.append(torch.stack([f.to(device, non_blocking=True) for f in per_dev]).sum())
+            else:  # no gradients here: still join, so every rank runs the same collectives
+                flags.append(torch.zeros((), dtype=torch.float32, device=device))
+        reduced, work = all_reduce_max_async(flags, group)
+        for rec, flag in zip(recs, reduced):
+            rec.found_inf_per_device = {device: flag} if rec.found_inf_per_device else {}
+            rec.work = work
+
+
+def wait_reductions(records) -> None:
+    """Order the records' pending reductions before what reads their flags (not a host read).
+
+    Example::
+
+        wait_reductions(records)   # a no-op for records without a pending reduction
+    """
+    waited: set[int] = set()
+    for rec in records:
+        if rec.work is not None:
+            if id(rec.work) not in waited:
+                rec.work.wait()
+                waited.add(id(rec.work))
+            rec.work = None
 
 
 def _initialized() -> bool:

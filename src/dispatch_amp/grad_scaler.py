@@ -38,8 +38,6 @@ from __future__ import annotations
 
 import collections
 import inspect
-import math
-import numbers
 import warnings
 from collections import abc
 from dataclasses import dataclass, field
@@ -49,8 +47,11 @@ from typing import Any
 import torch
 
 from . import distributed as _dist
-from .kernels.scale_update import ScaleState, _update_scale, round_to_float32
+from .flag_read import read_flags
+from .grad_collection import collect_grads
+from .kernels.scale_update import ScaleState, _update_scale
 from .kernels.unscale import BACKENDS, _check_finite, _unscale_check, uses_triton
+from .scaler_config import FP32_TINY, ScalerConfig, check_scale, is_real, parse_state_dict
 from .scaler_diagnostics import AmpNumericsWarning, OverflowReport, ScalerDiagnostics
 
 
@@ -85,54 +86,6 @@ class _OptRecord:
     checked_per_device: dict[torch.device, tuple[list, list, Any]] = field(default_factory=dict)
     # device -> the per-gradient flags as read on the host with found_inf (Triton path only).
     nonfinite_host: dict[torch.device, list[int]] = field(default_factory=dict)
-
-
-# How many flags one packed read carries: bits of an int64, less one for the floor flag.
-_FLAGS_PER_READ = 62
-
-
-def _is_real(x: Any) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-# The scale lives in a float32 tensor. The smallest normal float32: below it a scale is
-# subnormal or rounds to 0, and 1/scale overflows to inf or unscales gradients to nan.
-_FP32_TINY = torch.finfo(torch.float32).tiny
-
-
-def _usable_scale(value: float) -> bool:
-    """Whether ``value`` stored as the float32 scale is finite, normal and > 0."""
-    stored = round_to_float32(float(value))
-    return math.isfinite(stored) and stored >= _FP32_TINY
-
-
-def _check_scale(name: str, value) -> None:
-    if not _is_real(value) or not _usable_scale(value):
-        raise ValueError(
-            f"{name} must be a finite number in float32's normal range "
-            f"[{_FP32_TINY:.4g}, {torch.finfo(torch.float32).max:.4g}] (the scale is stored in "
-            f"float32), got {value!r}."
-        )
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _check_config(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale) -> None:
-    if not _is_real(growth_factor) or not (math.isfinite(growth_factor) and growth_factor > 1.0):
-        raise ValueError(f"growth_factor must be a finite float > 1.0, got {growth_factor!r}.")
-    if not _is_real(backoff_factor) or not (0.0 < backoff_factor < 1.0):
-        raise ValueError(f"backoff_factor must be a float in (0, 1), got {backoff_factor!r}.")
-    if not _is_int(growth_interval) or growth_interval < 1:
-        raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}.")
-    if not _is_int(hysteresis) or hysteresis < 1:
-        raise ValueError(f"hysteresis must be an int >= 1, got {hysteresis!r}.")
-    for name, v in (("min_scale", min_scale), ("max_scale", max_scale)):
-        if v is not None:
-            _check_scale(name, v)
-    if min_scale is not None and max_scale is not None and min_scale > max_scale:
-        raise ValueError(f"min_scale ({min_scale}) must not exceed max_scale ({max_scale}).")
 
 
 class GradScaler:
@@ -209,19 +162,12 @@ class GradScaler:
         self._process_group = process_group
         if not self._enabled:
             return
-        _check_config(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale)
-        _check_scale("init_scale", init_scale)
-        if (min_scale is not None and init_scale < min_scale) or (max_scale is not None and init_scale > max_scale):
-            raise ValueError(f"init_scale {init_scale} lies outside [min_scale, max_scale] = [{min_scale}, {max_scale}].")
+        self._config = ScalerConfig(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale)
+        check_scale("init_scale", init_scale)
+        self._config.check_within_bounds("init_scale", init_scale)
         self._init_scale = float(init_scale)
-        self._growth_factor = float(growth_factor)
-        self._backoff_factor = float(backoff_factor)
-        self._growth_interval = int(growth_interval)
-        self._hysteresis = int(hysteresis)
-        self._min_scale = None if min_scale is None else float(min_scale)
-        self._max_scale = None if max_scale is None else float(max_scale)
         self._init_growth_tracker = 0
-        self._init_hysteresis_tracker = self._hysteresis
+        self._init_hysteresis_tracker = self._config.hysteresis
         self._init_skipped_steps = 0
         self._state: ScaleState | None = None  # created on the loss's device by scale()
         self._floor_hits_seen = 0
@@ -251,7 +197,7 @@ class GradScaler:
                 device,
                 self._init_scale,
                 growth_tracker=self._init_growth_tracker,
-                hysteresis=self._hysteresis,
+                hysteresis=self._config.hysteresis,
                 hysteresis_tracker=self._init_hysteresis_tracker,
                 skipped_steps=self._init_skipped_steps,
             )
@@ -261,44 +207,6 @@ class GradScaler:
     def _check_optimizer(optimizer, funcname: str) -> None:
         if not hasattr(optimizer, "param_groups") or not hasattr(optimizer, "step"):
             raise TypeError(f"{funcname}() expects a torch.optim.Optimizer, got {type(optimizer).__name__}.")
-
-    def _collect_grads(self, optimizer, refuse_fp16: bool) -> dict[torch.device, tuple[list, list]]:
-        """The optimizer's gradients to check, as device -> (parameters, gradient tensors).
-
-        Touches no gradient values, so a refusal (fp16 gradients, with ``refuse_fp16``)
-        raised here changes nothing.
-        """
-        grads: list[torch.Tensor] = []
-        params: list[torch.Tensor] = []
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                grad = param.grad
-                if grad is None:
-                    continue
-                if refuse_fp16 and grad.dtype in (torch.float16, torch.complex32):
-                    raise ValueError(
-                        "Attempting to unscale FP16 gradients: the parameters themselves are fp16. "
-                        "Keep fp32 master parameters (autocast casts inside the forward) for GradScaler."
-                    )
-                if type(grad) is not torch.Tensor or grad.is_sparse:  # noqa: E721 - subclasses (DTensor) take the slow path
-                    grad = self._checkable_values(param, grad)
-                if grad.is_complex():
-                    # Unscaled and checked as its real and imaginary parts: a real view of
-                    # the same memory (the kernels take real dtypes only).
-                    grad = torch.view_as_real(grad)
-                grads.append(grad)
-                params.append(param)
-        if not grads:
-            return {}
-        first = grads[0].device
-        if all(g.device == first for g in grads):
-            return {first: (params, grads)}
-        per_device: dict[torch.device, tuple[list, list]] = {}
-        for param, grad in zip(params, grads):
-            ps, gs = per_device.setdefault(grad.device, ([], []))
-            ps.append(param)
-            gs.append(grad)
-        return per_device
 
     def _unscale_grads_(
         self,
@@ -317,7 +225,7 @@ class GradScaler:
         ``check_only``: read the gradients without writing them (fused optimizers).
         ``collected``: the optimizer's :meth:`_collect_grads`, when the caller already has it.
         """
-        per_device = self._collect_grads(optimizer, refuse_fp16=not allow_fp16) if collected is None else collected
+        per_device = collect_grads(optimizer, refuse_fp16=not allow_fp16) if collected is None else collected
         flags: dict[torch.device, torch.Tensor] = {}
         checked: dict[torch.device, tuple[list, list, Any]] = {}
         with torch.no_grad():
@@ -336,113 +244,19 @@ class GradScaler:
         self._record(optimizer).checked_per_device = checked
         return flags
 
-    @staticmethod
-    def _checkable_values(param, grad: torch.Tensor) -> torch.Tensor:
-        """The dense tensor to unscale in place for a DTensor or sparse gradient."""
-        # A DTensor gradient (FSDP2) is unscaled through its local shard, in place; ranks
-        # agree through the found_inf reduction (_reduce_found_inf_).
-        grad = _dist.local_tensor(grad)
-        if grad.is_sparse:
-            # Duplicate fp16 indices could overflow only once summed; coalesce first so the
-            # check sees the values the optimizer will use (as torch does).
-            if grad.dtype is torch.float16:
-                param.grad = grad = grad.coalesce()
-            grad = grad._values()
-        return grad
-
     def _read_pending_flags(self) -> None:
         """One host sync: read the flags of every unscaled, unread optimizer (see "Note: host syncs")."""
         state = self._require_state("step")
         pending = [rec for rec in self._records.values() if rec.stage is OptState.UNSCALED and rec.found_inf_host is None]
-        self._wait_reductions(pending)
-        if len(pending) == 1 and self._min_scale is None:
-            rec = pending[0]
-            flags = list(rec.found_inf_per_device.values())
-            kernel_flags = [(d, nf) for d, (_, _, nf) in rec.checked_per_device.items() if nf is not None]
-            if len(flags) == 1 and flags[0].device == state.scale.device:
-                # The common case, one optimizer on one device: read its flag as it is,
-                # without packing (nan reads as True, like a nonzero flag), with the
-                # kernel's per-gradient flags in the same read when there are any.
-                if not kernel_flags:
-                    rec.found_inf_host = bool(flags[0].item())
-                    return
-                if len(kernel_flags) == 1 and kernel_flags[0][1].device == flags[0].device:
-                    device, nonfinite = kernel_flags[0]
-                    values = torch.cat([(flags[0] != 0).to(torch.int32).reshape(1), nonfinite]).tolist()
-                    rec.found_inf_host = bool(values[0])
-                    rec.nonfinite_host[device] = values[1:]
-                    return
-        for start in range(0, len(pending), _FLAGS_PER_READ):
-            chunk = pending[start : start + _FLAGS_PER_READ]
-            flags = []
-            for rec in chunk:
-                per_dev = [f.to(state.scale.device, non_blocking=True) for f in rec.found_inf_per_device.values()]
-                flags.append(torch.stack(per_dev).sum() if per_dev else torch.zeros((), device=state.scale.device))
-            # Bit k of the packed word is optimizer k's flag; the top bit says the scale hit
-            # min_scale since we last looked, so that warning rides on the same sync.
-            bits = (torch.stack(flags) != 0).to(torch.int64)
-            weights = torch.pow(2, torch.arange(len(chunk), dtype=torch.int64, device=bits.device))
-            word = (bits * weights).sum()
-            word = word + (state.floor_hits > self._floor_hits_seen).to(torch.int64) * (1 << _FLAGS_PER_READ)
-            # The kernel's per-gradient flags (Triton path) ride along too: a skipped step
-            # then knows which gradients to report without another sync.
-            extra = [
-                (rec, device, nonfinite)
-                for rec in chunk
-                for device, (_, _, nonfinite) in rec.checked_per_device.items()
-                if nonfinite is not None
-            ]
-            if extra:
-                read = torch.cat([word.reshape(1)] + [nf.to(word.device, torch.int64, non_blocking=True) for _, _, nf in extra]).tolist()
-                value, offset = read[0], 1
-                for rec, device, nonfinite in extra:
-                    rec.nonfinite_host[device] = read[offset : offset + len(nonfinite)]
-                    offset += len(nonfinite)
-            else:
-                value = int(word.item())
-            for k, rec in enumerate(chunk):
-                rec.found_inf_host = bool((value >> k) & 1)
-            if value >> _FLAGS_PER_READ:
-                self._warn_floor()
+        _dist.wait_reductions(pending)
+        floor_seen = None if self._config.min_scale is None else self._floor_hits_seen
+        if read_flags(pending, state, floor_seen):
+            self._warn_floor()
 
     def _reduce_found_inf_(self, optimizers) -> None:
-        """Start the cross-rank MAX of these optimizers' flags (see distributed.py); no wait.
-
-        Each reduced optimizer's flags collapse to one flag on the scale's device, the
-        tensor the reduction writes. One collective for all optimizers sharing a group.
-        """
-        state = self._state
-        by_group: dict[int, tuple[Any, list[_OptRecord]]] = {}
-        for opt in optimizers:
-            group = _dist.resolve_process_group(self._process_group, opt)
-            if group is not _dist.NO_REDUCTION:
-                by_group.setdefault(id(group), (group, []))[1].append(self._record(opt))
-        device = state.scale.device
-        for group, recs in by_group.values():
-            flags = []
-            for rec in recs:
-                per_dev = list(rec.found_inf_per_device.values())
-                if len(per_dev) == 1 and per_dev[0].device == device:
-                    flags.append(per_dev[0])
-                elif per_dev:  # several devices (e.g. offloaded shards): one flag for all
-                    flags.append(torch.stack([f.to(device, non_blocking=True) for f in per_dev]).sum())
-                else:  # no gradients here: still join, so every rank runs the same collectives
-                    flags.append(torch.zeros((), dtype=torch.float32, device=device))
-            reduced, work = _dist.all_reduce_max_async(flags, group)
-            for rec, flag in zip(recs, reduced):
-                rec.found_inf_per_device = {device: flag} if rec.found_inf_per_device else {}
-                rec.work = work
-
-    @staticmethod
-    def _wait_reductions(records) -> None:
-        """Order the pending found_inf reductions before what reads the flags; not a host read."""
-        waited: set[int] = set()
-        for rec in records:
-            if rec.work is not None:
-                if id(rec.work) not in waited:
-                    rec.work.wait()
-                    waited.add(id(rec.work))
-                rec.work = None
+        """Start the cross-rank MAX of these optimizers' flags (see distributed.py); no wait."""
+        records = [(_dist.resolve_process_group(self._process_group, opt), self._record(opt)) for opt in optimizers]
+        _dist.reduce_found_inf_async(records, self._state.scale.device)
 
     def _warn_floor(self) -> None:
         state = self._state
@@ -450,7 +264,7 @@ class GradScaler:
         if hits > self._floor_hits_seen:
             self._floor_hits_seen = hits
             warnings.warn(
-                f"GradScaler: the loss scale hit min_scale={self._min_scale} ({hits} time(s) so far); "
+                f"GradScaler: the loss scale hit min_scale={self._config.min_scale} ({hits} time(s) so far); "
                 "gradients keep overflowing at the smallest allowed scale. Check the model for "
                 "inf/nan in the forward pass, or lower min_scale.",
                 AmpNumericsWarning,
@@ -536,7 +350,7 @@ class GradScaler:
             raise RuntimeError("unscale_() got the same optimizer twice; pass each optimizer once.")
         # Every optimizer's gradients are collected (and fp16 ones refused) before any is
         # unscaled, so a refused call changes nothing.
-        collected = [self._collect_grads(opt, refuse_fp16=True) for opt in opts]
+        collected = [collect_grads(opt, refuse_fp16=True) for opt in opts]
         # Computed in fp64, then rounded once to fp32: a float reciprocal of a large scale
         # could round differently from torch's and desynchronize the two scalers.
         inv_scale = state.scale.double().reciprocal().float()
@@ -611,7 +425,7 @@ class GradScaler:
             found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
             rec.found_inf_per_device = self._unscale_grads_(optimizer, state.scale, found_inf, check_only=True)
             self._reduce_found_inf_([optimizer])
-        self._wait_reductions([rec])
+        _dist.wait_reductions([rec])
         flags = [f.to(state.scale.device, non_blocking=True) for f in rec.found_inf_per_device.values()]
         found_inf = torch.stack(flags).sum() if flags else torch.zeros((), dtype=torch.float32, device=state.scale.device)
         # After an explicit unscale_() the gradients are true gradients: the optimizer must
@@ -656,11 +470,11 @@ class GradScaler:
                     raise ValueError(f"{reason}; got one that requires grad.")
                 if not new_scale.is_floating_point():
                     raise TypeError(f"{reason}; got dtype {new_scale.dtype}.")
-            elif _is_real(new_scale):
-                _check_scale("new_scale", new_scale)
+            elif is_real(new_scale):
+                check_scale("new_scale", new_scale)
             else:
                 raise TypeError(f"new_scale must be a float or a 1-element tensor, got {type(new_scale).__name__}.")
-        self._wait_reductions(self._records.values())
+        _dist.wait_reductions(self._records.values())
         device = state.scale.device
         found_infs = [
             f if f.device == device else f.to(device, non_blocking=True)
@@ -692,15 +506,15 @@ class GradScaler:
             _update_scale(
                 state,
                 combined,
-                self._growth_factor,
-                self._backoff_factor,
-                self._growth_interval,
-                hysteresis=self._hysteresis,
+                self._config.growth_factor,
+                self._config.backoff_factor,
+                self._config.growth_interval,
+                hysteresis=self._config.hysteresis,
                 # Without a min_scale the scale still stops at the smallest normal
                 # float32: halving on into subnormals reaches 0 after ~150 overflows in a
                 # row, and a zero scale turns the next clean step's gradients into nan.
-                min_scale=self._min_scale if self._min_scale is not None else _FP32_TINY,
-                max_scale=self._max_scale,
+                min_scale=self._config.min_scale if self._config.min_scale is not None else FP32_TINY,
+                max_scale=self._config.max_scale,
                 backend=self._backend,
             )
         seen = [rec.found_inf_host for rec in self._records.values() if rec.found_inf_host is not None]
@@ -741,7 +555,7 @@ class GradScaler:
         rec = self._records.get(id(optimizer))
         if rec is None:
             return {}
-        self._wait_reductions([rec])
+        _dist.wait_reductions([rec])
         return rec.found_inf_per_device
 
     def _get_scale_async(self) -> torch.Tensor | None:
@@ -759,36 +573,33 @@ class GradScaler:
             return 1.0
         if self._state is None:
             return self._init_scale
-        if self._min_scale is not None:
+        if self._config.min_scale is not None:
             self._warn_floor()
         return float(self._state.scale.item())
 
     def get_growth_factor(self) -> float:
         """The growth factor. Example: ``GradScaler("cpu").get_growth_factor() == 2.0``."""
-        return self._growth_factor
+        return self._config.growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
         """Set the growth factor (must be > 1). Example: ``scaler.set_growth_factor(4.0)``."""
-        _check_config(new_factor, self._backoff_factor, self._growth_interval, self._hysteresis, None, None)
-        self._growth_factor = float(new_factor)
+        self._config = self._config.replace(growth_factor=new_factor)
 
     def get_backoff_factor(self) -> float:
         """The backoff factor. Example: ``GradScaler("cpu").get_backoff_factor() == 0.5``."""
-        return self._backoff_factor
+        return self._config.backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
         """Set the backoff factor (in (0, 1)). Example: ``scaler.set_backoff_factor(0.25)``."""
-        _check_config(self._growth_factor, new_factor, self._growth_interval, self._hysteresis, None, None)
-        self._backoff_factor = float(new_factor)
+        self._config = self._config.replace(backoff_factor=new_factor)
 
     def get_growth_interval(self) -> int:
         """The growth interval. Example: ``GradScaler("cpu").get_growth_interval() == 2000``."""
-        return self._growth_interval
+        return self._config.growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
         """Set the growth interval (int >= 1). Example: ``scaler.set_growth_interval(100)``."""
-        _check_config(self._growth_factor, self._backoff_factor, new_interval, self._hysteresis, None, None)
-        self._growth_interval = int(new_interval)
+        self._config = self._config.replace(growth_interval=new_interval)
 
     def _get_growth_tracker(self) -> int:
         if not self._enabled:
@@ -817,7 +628,7 @@ class GradScaler:
     @property
     def hysteresis(self) -> int:
         """Consecutive overflowing steps tolerated before a backoff (1: torch's behaviour)."""
-        return self._hysteresis if self._enabled else 1
+        return self._config.hysteresis if self._enabled else 1
 
     # ----------------------------------------------------------------------------------
     # diagnostics
@@ -910,13 +721,8 @@ class GradScaler:
             scale, tracker, hyst, skipped = values[0], int(values[1]), int(values[2]), int(values[3])
         return {
             "scale": scale,
-            "growth_factor": self._growth_factor,
-            "backoff_factor": self._backoff_factor,
-            "growth_interval": self._growth_interval,
+            **self._config.state_dict(),
             "_growth_tracker": tracker,
-            "hysteresis": self._hysteresis,
-            "min_scale": self._min_scale,
-            "max_scale": self._max_scale,
             "_hysteresis_tracker": hyst,
             "_skipped_steps": skipped,
         }
@@ -938,71 +744,15 @@ class GradScaler:
         """
         if not self._enabled:
             return
-        if not isinstance(state_dict, abc.Mapping):
-            raise TypeError(f"load_state_dict() expects a dict, got {type(state_dict).__name__}.")
-        if len(state_dict) == 0:
-            raise ValueError("The state dict is empty, possibly because it was saved from a disabled GradScaler.")
-        for key in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"):
-            if key not in state_dict:
-                raise ValueError(f"state_dict is missing the key {key!r}.")
-
-        def real(key):
-            v = state_dict[key]
-            if not _is_real(v):
-                raise TypeError(f"state_dict[{key!r}] must be a number, got {type(v).__name__}.")
-            return float(v)
-
-        def integer(key, default, low):
-            v = state_dict.get(key, default)
-            if not _is_int(v):
-                raise TypeError(f"state_dict[{key!r}] must be an int, got {type(v).__name__}.")
-            if v < low:
-                raise ValueError(f"state_dict[{key!r}] must be >= {low}, got {v}.")
-            return int(v)
-
-        def optional_real(key, default):
-            v = state_dict.get(key, default)
-            if v is not None and not _is_real(v):
-                raise TypeError(f"state_dict[{key!r}] must be a number or None, got {type(v).__name__}.")
-            return None if v is None else float(v)
-
-        scale = real("scale")
-        if not _usable_scale(scale):
-            raise ValueError(
-                f"state_dict['scale'] must be finite, > 0 and in float32's normal range "
-                f"(the scale is stored in float32; >= {_FP32_TINY:.4g}), got {scale}."
-            )
-        growth_factor, backoff_factor = real("growth_factor"), real("backoff_factor")
-        growth_interval = integer("growth_interval", None, 1)
-        tracker = integer("_growth_tracker", None, 0)
-        hysteresis = integer("hysteresis", self._hysteresis, 1)
-        min_scale = optional_real("min_scale", self._min_scale)
-        max_scale = optional_real("max_scale", self._max_scale)
-        try:
-            _check_config(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale)
-        except ValueError as e:
-            raise ValueError(f"state_dict: {e}") from None
-        hyst_tracker = integer("_hysteresis_tracker", hysteresis, 0)
-        if hyst_tracker > hysteresis:
-            raise ValueError(f"state_dict['_hysteresis_tracker'] ({hyst_tracker}) exceeds hysteresis ({hysteresis}).")
-        skipped = integer("_skipped_steps", 0, 0)
-        if tracker > 2**31 - 1:
-            raise ValueError(f"state_dict['_growth_tracker'] ({tracker}) does not fit an int32.")
-        if skipped > 2**63 - 1:
-            raise ValueError(f"state_dict['_skipped_steps'] ({skipped}) does not fit an int64.")
-        if (min_scale is not None and scale < min_scale) or (max_scale is not None and scale > max_scale):
-            raise ValueError(f"state_dict['scale'] ({scale}) lies outside [min_scale, max_scale] = [{min_scale}, {max_scale}].")
-
-        # Validated: apply.
-        self._init_scale, self._init_growth_tracker = scale, tracker
-        self._growth_factor, self._backoff_factor, self._growth_interval = growth_factor, backoff_factor, growth_interval
-        self._hysteresis, self._min_scale, self._max_scale = hysteresis, min_scale, max_scale
-        self._init_hysteresis_tracker, self._init_skipped_steps = hyst_tracker, skipped
+        loaded = parse_state_dict(state_dict, self._config)  # raises before anything changes
+        self._config = loaded.config
+        self._init_scale, self._init_growth_tracker = loaded.scale, loaded.growth_tracker
+        self._init_hysteresis_tracker, self._init_skipped_steps = loaded.hysteresis_tracker, loaded.skipped_steps
         if self._state is not None:
-            self._state.scale.fill_(scale)
-            self._state.growth_tracker.fill_(tracker)
-            self._state.hysteresis_tracker.fill_(hyst_tracker)
-            self._state.skipped_steps.fill_(skipped)
+            self._state.scale.fill_(loaded.scale)
+            self._state.growth_tracker.fill_(loaded.growth_tracker)
+            self._state.hysteresis_tracker.fill_(loaded.hysteresis_tracker)
+            self._state.skipped_steps.fill_(loaded.skipped_steps)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -1021,6 +771,11 @@ class GradScaler:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        if "_growth_factor" in state and "_config" not in state:  # pickled before ScalerConfig
+            state["_config"] = ScalerConfig(
+                *(state.pop(f"_{k}") for k in ("growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale", "max_scale"))
+            )
         self.__dict__.update(state)
         self.__dict__.setdefault("_process_group", None)  # pickled before the argument existed
 
@@ -1035,6 +790,18 @@ class GradScaler:
     # name, and would silently inherit, with torch's state layout, any method a later torch
     # adds. isinstance(scaler, torch.amp.GradScaler) is therefore False; code that checks
     # it needs our scaler accepted explicitly (dispatch_amp.integrations does that).
+
+    @property
+    def _growth_factor(self) -> float:
+        return self._config.growth_factor
+
+    @property
+    def _backoff_factor(self) -> float:
+        return self._config.backoff_factor
+
+    @property
+    def _growth_interval(self) -> int:
+        return self._config.growth_interval
 
     @property
     def _scale(self) -> torch.Tensor | None:
