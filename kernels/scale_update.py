@@ -34,6 +34,8 @@ import torch
 
 from .unscale import BACKENDS
 
+_FP32_TINY = torch.finfo(torch.float32).tiny
+
 try:  # Triton is optional: the torch path below works without it.
     import triton
     import triton.language as tl
@@ -167,10 +169,15 @@ def _validate(state: ScaleState, found_inf, growth_factor, backoff_factor, growt
 
 
 def _torch_update(state: ScaleState, found_inf, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale) -> None:
-    if hysteresis == 1 and min_scale is None and max_scale is None:
+    floor_only = min_scale is not None and min_scale <= _FP32_TINY
+    if hysteresis == 1 and (min_scale is None or floor_only) and max_scale is None:
         # torch's fused op is the fastest exact path for its own rule; the trackers take
         # two more small ops (each costs microseconds on CPU, so no more than needed).
         torch._amp_update_scale_(state.scale, state.growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval)
+        if floor_only:
+            # A floor at the smallest normal float32 (GradScaler's default) changes only
+            # scales torch would take into subnormals or to 0: one clamp, no hit count.
+            state.scale.clamp_(min=min_scale)
         # What the general rule gives for N=1: 1 after a clean step, 0 after an overflow
         # (nan == 0 is False: nan is an overflow).
         torch.eq(found_inf, 0, out=state.hysteresis_tracker)
