@@ -32,6 +32,7 @@ __all__ = [
     "OverflowReport",
     "NonFiniteGradient",
     "plot_training",
+    "patch_torch",
 ]
 
 from .autocast import autocast, get_autocast_dtype, is_autocast_enabled  # noqa: E402
@@ -50,3 +51,4 @@ from .opt_levels import (  # noqa: E402
     master_params,
     scale_loss,
 )
+from .torch_patch import patch_torch  # noqa: E402
