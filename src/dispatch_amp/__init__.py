@@ -34,6 +34,7 @@ __all__ = [
     "OverflowReport",
     "NonFiniteGradient",
     "plot_training",
+    "patch_torch",
 ]
 
 from .autocast import (  # noqa: E402
@@ -58,3 +59,4 @@ from .opt_levels import (  # noqa: E402
     master_params,
     scale_loss,
 )
+from .torch_patch import patch_torch  # noqa: E402

@@ -1,0 +1,237 @@
+"""``patch_torch``: let code that calls ``torch.autocast`` / ``torch.amp.GradScaler`` use ours.
+
+For recipe code with many ``torch.autocast(...)`` call sites that you would rather not
+edit. The patch is explicit and undoes itself: nothing is patched when dispatch_amp is
+imported, and leaving the ``with`` block (or ``stop()``) puts back the very objects that
+were there before.
+
+What it replaces, for as long as it is active (attributes that this torch build no
+longer has are left out):
+
+* ``torch.autocast`` and ``torch.amp.autocast``: ``dispatch_amp.autocast`` with torch's
+  signature. ``cache_enabled=None`` means True (torch's default); a dtype our autocast
+  does not support disables the region with torch's warning, as torch does; device types
+  other than ``"cpu"`` and ``"cuda"`` get torch's own autocast.
+* ``torch.cpu.amp.autocast`` / ``torch.cuda.amp.autocast`` (deprecated in torch): ours,
+  for the device the name says.
+* ``torch.amp.GradScaler``: ``dispatch_amp.GradScaler``; ``torch.cpu.amp.GradScaler`` /
+  ``torch.cuda.amp.GradScaler``: ours, for the device the name says.
+
+What it cannot reach: a name bound before the patch started (``from torch import
+autocast`` at the top of a module, a default argument, an attribute stored on an object),
+torch's own ``torch.amp.autocast_mode.autocast`` (which ``torch.amp.custom_fwd`` uses), and
+C++ code. Bind late (``torch.autocast(...)`` at the call) or start the patch before
+importing the code you want to reach.
+
+Example::
+
+    >>> import torch
+    >>> with patch_torch():
+    ...     with torch.autocast("cpu"):
+    ...         y = torch.nn.Linear(4, 4)(torch.randn(2, 4))
+    >>> y.dtype, torch.autocast.__module__
+    (torch.bfloat16, 'torch.amp.autocast_mode')
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.amp.autocast_mode
+
+from .autocast import autocast
+from .grad_scaler import GradScaler
+from .policy import Policy
+
+__all__ = ["patch_torch", "TorchPatch"]
+
+# Marks the classes a patch installs, so a second patch can see that one is active by
+# looking at torch itself rather than at a flag of ours.
+_MARK = "_dispatch_amp_patch"
+
+_OUR_DEVICES = ("cpu", "cuda")
+_LOW_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _autocast_class(policy: Policy | None) -> type:
+    """``dispatch_amp.autocast`` that takes exactly what ``torch.autocast`` takes."""
+
+    class autocast_with_torch_signature(autocast):
+        __doc__ = autocast.__doc__
+
+        def __new__(cls, device_type, dtype=None, enabled=True, cache_enabled=None):
+            if isinstance(device_type, str) and device_type not in _OUR_DEVICES:
+                # Returning torch's object skips our __init__: its device is not ours.
+                return torch.amp.autocast_mode.autocast(device_type, dtype, enabled, cache_enabled)
+            return super().__new__(cls)
+
+        def __init__(self, device_type, dtype=None, enabled=True, cache_enabled=None):
+            if dtype is not None and dtype not in _LOW_DTYPES:
+                if enabled:
+                    # torch's own reaction to an unsupported dtype: warn, then run disabled.
+                    warnings.warn(
+                        f"In {device_type.upper()} autocast, but the target dtype is not "
+                        "supported. Disabling autocast.",
+                        stacklevel=2,
+                    )
+                dtype, enabled = None, False
+            super().__init__(
+                device_type,
+                dtype,
+                enabled,
+                True if cache_enabled is None else cache_enabled,
+                policy,
+            )
+
+    setattr(autocast_with_torch_signature, _MARK, True)
+    return autocast_with_torch_signature
+
+
+def _device_autocast_class(base: type, device_type: str, default_dtype: torch.dtype) -> type:
+    """The deprecated ``torch.<device>.amp.autocast(enabled, dtype, cache_enabled)``."""
+
+    class device_autocast(base):
+        def __new__(cls, enabled=True, dtype=default_dtype, cache_enabled=True):
+            return super().__new__(cls, device_type)
+
+        def __init__(self, enabled=True, dtype=default_dtype, cache_enabled=True):
+            super().__init__(device_type, dtype, enabled, cache_enabled)
+
+    device_autocast.__name__ = device_autocast.__qualname__ = f"{device_type}_autocast"
+    return device_autocast
+
+
+def _device_scaler_class(device_type: str) -> type:
+    """The deprecated ``torch.<device>.amp.GradScaler(init_scale, ...)`` without a device."""
+
+    class device_scaler(GradScaler):
+        def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
+                     growth_interval=2000, enabled=True):
+            super().__init__(device_type, init_scale, growth_factor, backoff_factor,
+                             growth_interval, enabled)
+
+    device_scaler.__name__ = device_scaler.__qualname__ = f"{device_type}_GradScaler"
+    setattr(device_scaler, _MARK, True)
+    return device_scaler
+
+
+def _replacements(policy: Policy | None) -> list[tuple[object, str, object]]:
+    """(module, attribute, replacement) for every attribute a patch touches, in order."""
+    ours = _autocast_class(policy)
+    scaler = type("GradScaler", (GradScaler,), {_MARK: True, "__doc__": GradScaler.__doc__})
+    table: list[tuple[object, str, object]] = [
+        (torch, "autocast", ours),
+        (torch.amp, "autocast", ours),
+        (torch.amp, "GradScaler", scaler),
+    ]
+    for device_type, default in (("cpu", torch.bfloat16), ("cuda", torch.float16)):
+        module = getattr(torch, device_type, None)
+        amp_module = getattr(module, "amp", None)
+        if amp_module is None:
+            continue
+        if hasattr(amp_module, "autocast"):
+            table.append((amp_module, "autocast", _device_autocast_class(ours, device_type, default)))
+        if hasattr(amp_module, "GradScaler"):
+            table.append((amp_module, "GradScaler", _device_scaler_class(device_type)))
+    return table
+
+
+class TorchPatch:
+    """One reversible patch of torch's AMP names; made by :func:`patch_torch`.
+
+    ``start()`` replaces the names, ``stop()`` restores the exact objects that were there;
+    also a context manager. One patch can be active at a time.
+
+    Example::
+
+        >>> patch = patch_torch()
+        >>> patch.start().active
+        True
+        >>> patch.stop(); patch.active
+        False
+    """
+
+    def __init__(self, policy: Policy | None = None) -> None:
+        if policy is not None and not isinstance(policy, Policy):
+            raise TypeError(f"policy must be a dispatch_amp.Policy or None, got {type(policy).__name__}")
+        self.policy = policy
+        self._saved: list[tuple[object, str, object]] | None = None
+
+    @property
+    def active(self) -> bool:
+        """Whether this patch is started and not yet stopped.
+
+        Example::
+
+            >>> patch_torch().active
+            False
+        """
+        return self._saved is not None
+
+    def start(self) -> TorchPatch:
+        """Replace torch's AMP names with ours; returns the patch.
+
+        Example::
+
+            >>> with patch_torch() as patch:
+            ...     torch.amp.GradScaler.__module__
+            'dispatch_amp.torch_patch'
+        """
+        if self._saved is not None:
+            raise RuntimeError("this patch is already started; call stop() before starting it again")
+        table = _replacements(self.policy)
+        for module, name, _ in table:
+            if getattr(getattr(module, name), _MARK, False):
+                raise RuntimeError(
+                    f"{module.__name__}.{name} is already patched by another "
+                    "dispatch_amp.patch_torch(); stop that patch (patch.stop() or leave its "
+                    "with-block) before starting a new one"
+                )
+        saved = [(module, name, getattr(module, name)) for module, name, _ in table]
+        for module, name, replacement in table:
+            setattr(module, name, replacement)
+        self._saved = saved
+        return self
+
+    def stop(self) -> None:
+        """Put back every attribute exactly as it was before ``start()``.
+
+        Example::
+
+            >>> patch = patch_torch().start(); patch.stop()
+            >>> torch.autocast is torch.amp.autocast_mode.autocast
+            True
+        """
+        if self._saved is None:
+            raise RuntimeError("stop() was called on a patch that is not started; call start() first")
+        for module, name, original in reversed(self._saved):
+            setattr(module, name, original)
+        self._saved = None
+
+    def __enter__(self) -> TorchPatch:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"TorchPatch(active={self.active}, policy={self.policy and self.policy.name!r})"
+
+
+def patch_torch(policy: Policy | None = None) -> TorchPatch:
+    """A patch that makes torch's AMP names (``torch.autocast``, ``torch.amp.GradScaler``, ...) ours.
+
+    Use it as ``with amp.patch_torch(): ...`` or ``patch.start()`` / ``patch.stop()``.
+    ``policy``: the op table the patched autocast applies (default: the device's).
+    The module docstring lists exactly which attributes change and what cannot be reached.
+
+    Example::
+
+        >>> import torch
+        >>> with patch_torch():
+        ...     scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+        >>> type(scaler).__mro__[1].__module__, scaler.get_scale()
+        ('dispatch_amp.grad_scaler', 8.0)
+    """
+    return TorchPatch(policy)

@@ -1,0 +1,100 @@
+"""Lightning Fabric: our plugin trains bit-identically to Fabric's MixedPrecision, and its
+state saved with fabric.save loads into either plugin with the loss scale kept."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("lightning.fabric")
+
+import dispatch_amp as amp  # noqa: E402
+from dispatch_amp.integrations.fabric import MixedPrecision  # noqa: E402
+from lightning.fabric import Fabric  # noqa: E402
+from lightning.fabric.plugins.precision import MixedPrecision as StockMixedPrecision  # noqa: E402
+
+INIT = {"init_scale": 2.0**8, "growth_interval": 2}
+
+
+def _stock(precision):
+    scaler = torch.amp.GradScaler("cpu", **INIT) if precision == "16-mixed" else None
+    return StockMixedPrecision(precision, "cpu", scaler=scaler)
+
+
+def _ours(precision):
+    return MixedPrecision(precision, "cpu", scaler_options=INIT if precision == "16-mixed" else None)
+
+
+def _setup(plugin):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(GPU available|bfloat16).*")
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, optimizer = fabric.setup(model, optimizer)
+    return fabric, model, optimizer
+
+
+def _train(fabric, model, optimizer, steps, start=0, inf_step=None):
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+    scaler = fabric.strategy.precision.scaler
+    losses, grads, scales = [], [], []
+    for step in range(start, steps):
+        optimizer.zero_grad()
+        out = model(x * float("inf") if step == inf_step else x)   # Fabric's forward autocasts
+        loss = torch.nn.functional.mse_loss(out, y)
+        fabric.backward(loss)
+        fabric.clip_gradients(model, optimizer, max_norm=1.0, error_if_nonfinite=False)  # unscales first
+        grads.append([p.grad.detach().clone() for p in model.parameters()])
+        optimizer.step()
+        losses.append(loss.detach().clone())
+        scales.append(scaler.get_scale() if scaler is not None else None)
+    return losses, grads, scales
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_training_is_bit_identical_to_fabrics_plugin(same, precision):
+    inf_step = 2 if precision == "16-mixed" else None
+    fabric, stock_model, opt = _setup(_stock(precision))
+    stock = _train(fabric, stock_model, opt, 5, inf_step=inf_step)
+    fabric, model, opt = _setup(_ours(precision))
+    ours = _train(fabric, model, opt, 5, inf_step=inf_step)
+    assert isinstance(fabric.strategy.precision, MixedPrecision)
+    assert ours[2] == stock[2]
+    if inf_step is not None:
+        assert ours[2][inf_step] == ours[2][inf_step - 1] / 2, "the overflow step backs off"
+        assert fabric.strategy.precision.scaler.skipped_steps == 1
+    assert same(ours[0], stock[0]) and same(ours[1], stock[1])
+    assert same(list(model.parameters()), list(stock_model.parameters()))
+
+
+@pytest.mark.parametrize("source", [_ours, _stock], ids=["from-ours", "from-stock"])
+def test_resume_continues_bit_identically_with_the_scale_kept(tmp_path, same, source):
+    fabric, model, opt = _setup(_ours("16-mixed"))
+    straight = _train(fabric, model, opt, 6, inf_step=4)
+
+    fabric, head_model, head_opt = _setup(source("16-mixed"))
+    _train(fabric, head_model, head_opt, 3, inf_step=4)
+    fabric.save(tmp_path / "ckpt.pt", {"model": head_model, "optimizer": head_opt,
+                                       "amp": fabric.strategy.precision.state_dict()})
+
+    fabric, tail_model, tail_opt = _setup(_ours("16-mixed"))
+    rest = fabric.load(tmp_path / "ckpt.pt", {"model": tail_model, "optimizer": tail_opt})
+    fabric.strategy.precision.load_state_dict(rest["amp"])
+    assert fabric.strategy.precision.scaler.get_scale() == straight[2][2] != INIT["init_scale"]
+    tail = _train(fabric, tail_model, tail_opt, 6, start=3, inf_step=4)
+    assert tail[2] == straight[2][3:]
+    assert same(tail[0], straight[0][3:]) and same(tail[1], straight[1][3:])
+    assert same(list(tail_model.parameters()), list(model.parameters()))
+
+
+def test_fabric_autocast_is_ours_with_the_policy():
+    policy = amp.Policy.for_device("cpu").with_ops(fp32=["linear", "addmm", "mm"])
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision("bf16-mixed", "cpu", policy=policy)])
+    with fabric.autocast():
+        assert amp.is_autocast_enabled("cpu")
+        assert torch.nn.Linear(2, 2)(torch.ones(1, 2)).dtype is torch.float32

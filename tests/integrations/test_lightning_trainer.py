@@ -1,0 +1,144 @@
+"""Lightning Trainer: our plugin trains bit-identically to Lightning's MixedPrecision, and
+checkpoints move between the two with the loss scale kept."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+pl = pytest.importorskip("lightning.pytorch")
+
+import dispatch_amp as amp  # noqa: E402
+from dispatch_amp.integrations.lightning import MixedPrecision  # noqa: E402
+from lightning.pytorch.plugins.precision import MixedPrecision as StockMixedPrecision  # noqa: E402
+
+INF_STEP = 2
+
+
+class Tiny(pl.LightningModule):
+    """Records per step the loss, the gradients the optimizer sees, and the loss scale."""
+
+    def __init__(self, inf_step: int | None = None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        self.inf_step = inf_step
+        self.losses, self.grads, self.scales = [], [], []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.global_step == self.inf_step:
+            x = x * float("inf")
+        loss = torch.nn.functional.mse_loss(self.net(x).float(), y)
+        self.losses.append(loss.detach().clone())
+        return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        # Lightning unscales before this hook, so these are the true gradients.
+        self.grads.append([p.grad.detach().clone() for p in self.parameters()])
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        scaler = self.trainer.precision_plugin.scaler
+        self.scales.append(scaler.get_scale() if scaler is not None else None)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        # One batch per epoch: a resumed run sees the same data as an uninterrupted one.
+        g = torch.Generator().manual_seed(1)
+        data = torch.utils.data.TensorDataset(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g))
+        return torch.utils.data.DataLoader(data, batch_size=4)
+
+
+def _fit(plugin, steps: int, inf_step=INF_STEP, ckpt_path=None, **trainer_kwargs) -> tuple[Tiny, pl.Trainer]:
+    model = Tiny(inf_step)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=steps, plugins=[plugin], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, **trainer_kwargs,
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(does not have many workers|bfloat16|GPU available).*")
+        trainer.fit(model, ckpt_path=ckpt_path)
+    return model, trainer
+
+
+def _stock_fp16():
+    return StockMixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2))
+
+
+def _ours_fp16(cls=MixedPrecision):
+    return cls("16-mixed", "cpu", scaler_options={"init_scale": 2.0**8, "growth_interval": 2})
+
+
+def test_bf16_is_bit_identical_to_lightnings_plugin(same):
+    stock, _ = _fit(StockMixedPrecision("bf16-mixed", "cpu"), 4)
+    ours, _ = _fit(MixedPrecision("bf16-mixed", "cpu"), 4)
+    assert same(ours.losses, stock.losses) and same(ours.grads, stock.grads)
+    assert same(list(ours.parameters()), list(stock.parameters()))
+
+
+def test_fp16_with_clipping_and_an_overflow_is_bit_identical(same):
+    stock, _ = _fit(_stock_fp16(), 5, gradient_clip_val=1.0)
+    ours, trainer = _fit(_ours_fp16(), 5, gradient_clip_val=1.0)
+    assert isinstance(trainer.precision_plugin.scaler, amp.GradScaler)
+    assert ours.scales == stock.scales
+    assert ours.scales[INF_STEP] == ours.scales[INF_STEP - 1] / 2, "the overflow step backs off"
+    assert not torch.isfinite(ours.grads[INF_STEP][0]).all()
+    assert same(ours.losses, stock.losses) and same(ours.grads, stock.grads)
+    assert same(list(ours.parameters()), list(stock.parameters()))
+
+
+@pytest.mark.parametrize(
+    "first,second",
+    [(_ours_fp16, _ours_fp16), (_stock_fp16, _ours_fp16), (_ours_fp16, _stock_fp16)],
+    ids=["ours-to-ours", "stock-to-ours", "ours-to-stock"],
+)
+def test_resume_continues_bit_identically_with_the_scale_kept(tmp_path, same, first, second):
+    # The overflow falls after the resume, so the resumed run must also skip it the same way.
+    straight, _ = _fit(_ours_fp16(), 6, inf_step=4)
+
+    head, trainer = _fit(first(), 3, inf_step=4)
+    path = tmp_path / "head.ckpt"
+    trainer.save_checkpoint(path)
+    saved = torch.load(path, weights_only=False)
+    assert saved[StockMixedPrecision.__qualname__]["scale"] == head.scales[-1]
+    assert head.scales[-1] != 2.0**8, "the scale moved, so a reset to init_scale would show"
+
+    tail, trainer = _fit(second(), 6, inf_step=4, ckpt_path=path)
+    assert trainer.precision_plugin.scaler.get_scale() == straight.scales[-1]
+    assert tail.scales == straight.scales[3:]
+    assert same(tail.losses, straight.losses[3:]) and same(tail.grads, straight.grads[3:])
+    assert same(list(tail.parameters()), list(straight.parameters()))
+
+
+def test_a_subclass_files_its_scaler_under_the_stock_key(tmp_path):
+    class MyAmp(MixedPrecision):
+        pass
+
+    _, trainer = _fit(_ours_fp16(MyAmp), 3, inf_step=None)
+    path = tmp_path / "sub.ckpt"
+    trainer.save_checkpoint(path)
+    saved = torch.load(path, weights_only=False)
+    assert "MyAmp" not in saved and saved[StockMixedPrecision.__qualname__]["scale"] == 2.0**9
+
+    for plugin in (_stock_fp16(), _ours_fp16(MyAmp)):
+        _fit(plugin, 3, inf_step=None, ckpt_path=path)
+        assert plugin.scaler.get_scale() == 2.0**9, f"{type(plugin).__name__} resumed with the saved scale"
+
+
+def test_plugin_arguments_are_checked():
+    with pytest.raises(ValueError, match="'16-mixed'.*'bf16-mixed'"):
+        MixedPrecision("32-true", "cpu")
+    with pytest.raises(ValueError, match="bf16-mixed' uses no loss scaling"):
+        MixedPrecision("bf16-mixed", "cpu", scaler=amp.GradScaler("cpu"))
+    with pytest.raises(ValueError, match="not both"):
+        MixedPrecision("16-mixed", "cpu", scaler=amp.GradScaler("cpu"), scaler_options={})
+    with pytest.raises(ValueError, match="unsupported device_type 'mps'"):
+        MixedPrecision("bf16-mixed", "mps")
+    policy = amp.Policy.for_device("cpu").with_ops(fp32=["linear", "addmm", "mm"])
+    with MixedPrecision("bf16-mixed", "cpu", policy=policy).forward_context():
+        assert torch.nn.Linear(2, 2)(torch.ones(1, 2)).dtype is torch.float32

@@ -1,0 +1,188 @@
+"""patch_torch: torch's AMP names become ours while active, and exactly torch's again after."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+import dispatch_amp as amp
+from dispatch_amp.torch_patch import patch_torch
+
+_NAMES = [
+    (torch, "autocast"),
+    (torch.amp, "autocast"),
+    (torch.amp, "GradScaler"),
+    (torch.cpu.amp, "autocast"),
+    (torch.cpu.amp, "GradScaler"),
+    (torch.cuda.amp, "autocast"),
+    (torch.cuda.amp, "GradScaler"),
+]
+
+
+def _snapshot() -> dict[str, object]:
+    return {f"{m.__name__}.{n}": getattr(m, n) for m, n in _NAMES if hasattr(m, n)}
+
+
+def _assert_untouched(before: dict[str, object]) -> None:
+    after = _snapshot()
+    assert after.keys() == before.keys()
+    changed = [k for k in before if after[k] is not before[k]]
+    assert not changed, f"not restored exactly: {changed}"
+
+
+def test_importing_dispatch_amp_patches_nothing():
+    code = textwrap.dedent("""
+        import torch
+        names = [(torch, "autocast"), (torch.amp, "autocast"), (torch.amp, "GradScaler"),
+                 (torch.cpu.amp, "autocast"), (torch.cuda.amp, "autocast"), (torch.cuda.amp, "GradScaler")]
+        before = [getattr(m, n) for m, n in names]
+        import dispatch_amp, dispatch_amp.torch_patch
+        assert [getattr(m, n) for m, n in names] == before
+        assert torch.autocast is torch.amp.autocast_mode.autocast
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_start_and_stop_restore_every_attribute_exactly():
+    before = _snapshot()
+    with patch_torch() as patch:
+        assert patch.active
+        during = _snapshot()
+        assert all(during[k] is not before[k] for k in before), "every present name is replaced"
+        assert issubclass(torch.autocast, amp.autocast) and issubclass(torch.amp.GradScaler, amp.GradScaler)
+    assert not patch.active
+    _assert_untouched(before)
+
+    patch = patch_torch()
+    patch.start()
+    assert torch.amp.autocast is torch.autocast and torch.autocast is not before["torch.autocast"]
+    patch.stop()
+    _assert_untouched(before)
+
+
+def test_an_exception_in_the_block_still_restores():
+    before = _snapshot()
+    with pytest.raises(KeyError):
+        with patch_torch():
+            raise KeyError("boom")
+    _assert_untouched(before)
+
+
+def test_a_second_patch_is_refused_and_the_first_stays():
+    before = _snapshot()
+    with patch_torch():
+        patched = _snapshot()
+        with pytest.raises(RuntimeError, match="already patched by another dispatch_amp.patch_torch"):
+            patch_torch().start()
+        assert _snapshot() == patched
+    _assert_untouched(before)
+
+
+def test_misuse_of_one_patch_names_the_state():
+    patch = patch_torch()
+    with pytest.raises(RuntimeError, match="not started"):
+        patch.stop()
+    patch.start()
+    try:
+        with pytest.raises(RuntimeError, match="already started"):
+            patch.start()
+    finally:
+        patch.stop()
+    with pytest.raises(TypeError, match="policy must be a dispatch_amp.Policy"):
+        patch_torch(policy="cpu")
+
+
+def test_patched_autocast_takes_every_torch_argument():
+    with patch_torch():
+        with torch.autocast(device_type="cpu", dtype=torch.bfloat16, enabled=True, cache_enabled=None):
+            assert amp.is_autocast_enabled("cpu")
+        with torch.amp.autocast("cpu", torch.float16, True, False):
+            assert amp.get_autocast_dtype("cpu") is torch.float16
+        # torch's reaction to a dtype it cannot autocast to: warn, run the region disabled.
+        with pytest.warns(UserWarning, match="target dtype is not supported"):
+            region = torch.autocast("cpu", dtype=torch.float32)
+        with region:
+            assert not amp.is_autocast_enabled("cpu")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with torch.autocast("cpu", dtype=torch.float32, enabled=False):
+                assert not amp.is_autocast_enabled("cpu")
+        # Device types dispatch_amp does not handle keep torch's own autocast.
+        assert type(torch.autocast("xpu", enabled=False)) is torch.amp.autocast_mode.autocast
+        with torch.cpu.amp.autocast():
+            assert amp.get_autocast_dtype("cpu") is torch.bfloat16 and amp.is_autocast_enabled("cpu")
+        assert isinstance(torch.cuda.amp.autocast(enabled=False), amp.autocast)
+
+        @torch.autocast("cpu")
+        def forward(x):
+            return torch.nn.functional.linear(x, torch.ones(3, 3))
+
+        assert forward(torch.ones(2, 3)).dtype is torch.bfloat16
+
+
+def test_patched_scalers_take_torch_arguments():
+    with patch_torch():
+        scaler = torch.amp.GradScaler("cpu", 2.0**10, 2.0, 0.5, 100, True)
+        assert isinstance(scaler, amp.GradScaler) and scaler.get_scale() == 2.0**10
+        assert torch.cpu.amp.GradScaler(init_scale=8.0).get_scale() == 8.0
+        if not torch.cuda.is_available():
+            with pytest.warns(UserWarning, match="CUDA is not available"):
+                assert not torch.cuda.amp.GradScaler().is_enabled()
+
+
+def test_the_policy_reaches_the_patched_autocast():
+    fp32_matmuls = amp.Policy.for_device("cpu").with_ops(fp32=["mm", "addmm", "linear", "matmul"])
+    with patch_torch(policy=fp32_matmuls):
+        with torch.autocast("cpu"):
+            y = torch.nn.functional.linear(torch.ones(2, 3), torch.ones(3, 3))
+    assert y.dtype is torch.float32
+
+
+def _recipe(steps: int, inf_at: int | None) -> tuple[list, list, list, type]:
+    """Plain PyTorch recipe code: it names torch.autocast and torch.amp.GradScaler at the call."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    losses, grads, scales = [], [], []
+    for step in range(steps):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x if step != inf_at else x * float("inf"))
+            loss = torch.nn.functional.mse_loss(out.float(), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        grads.append([p.grad.clone() for p in model.parameters()])
+        scaler.step(opt)
+        scaler.update()
+        losses.append(loss.detach().clone())
+        scales.append(scaler.get_scale())
+    grads.append([p.detach().clone() for p in model.parameters()])
+    return losses, grads, scales, type(scaler)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        # NaN != NaN: compare where the NaNs are, then everything else.
+        return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_recipe_code_under_the_patch_matches_native_bit_for_bit():
+    native = _recipe(5, inf_at=2)
+    with patch_torch():
+        patched = _recipe(5, inf_at=2)
+    losses, grads, scales, scaler_type = patched
+    assert issubclass(scaler_type, amp.GradScaler) and not issubclass(native[3], amp.GradScaler)
+    assert scales == native[2] and scales[2] == scales[1] / 2, "the overflow step backs off the same way"
+    assert _same(losses, native[0]) and _same(grads, native[1])
