@@ -137,7 +137,7 @@ def test_plugin_arguments_are_checked():
         MixedPrecision("bf16-mixed", "cpu", scaler=amp.GradScaler("cpu"))
     with pytest.raises(ValueError, match="not both"):
         MixedPrecision("16-mixed", "cpu", scaler=amp.GradScaler("cpu"), scaler_options={})
-    with pytest.raises(ValueError, match="unsupported device_type 'mps'"):
+    with pytest.raises(RuntimeError, match="unsupported device_type 'mps'"):  # torch's type
         MixedPrecision("bf16-mixed", "mps")
     policy = amp.Policy.for_device("cpu").with_ops(fp32=["linear", "addmm", "mm"])
     with MixedPrecision("bf16-mixed", "cpu", policy=policy).forward_context():
