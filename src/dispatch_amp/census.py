@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 __all__ = ["PrecisionCensus", "OpCount"]
@@ -42,13 +43,9 @@ class OpCount:
 
 def _compute_dtype(args, out) -> torch.dtype | None:
     """The dtype an op computed in: its first floating input, else its output's."""
-    for a in args:
+    for a in tree_leaves(args):
         if isinstance(a, torch.Tensor) and a.is_floating_point():
             return a.dtype
-        if isinstance(a, (list, tuple)):
-            for b in a:
-                if isinstance(b, torch.Tensor) and b.is_floating_point():
-                    return b.dtype
     if isinstance(out, torch.Tensor):
         return out.dtype
     return None
