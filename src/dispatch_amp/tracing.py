@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 __all__ = ["NonFiniteTracer", "NonFiniteEvent", "TensorRange"]
 
@@ -68,15 +69,9 @@ class NonFiniteEvent:
 
 
 def _floating_tensors(tree):
-    if isinstance(tree, torch.Tensor):
-        if tree.is_floating_point() or tree.is_complex():
-            yield tree
-    elif isinstance(tree, (list, tuple)):
-        for item in tree:
-            yield from _floating_tensors(item)
-    elif isinstance(tree, dict):
-        for item in tree.values():
-            yield from _floating_tensors(item)
+    for leaf in tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex()):
+            yield leaf
 
 
 def _all_finite(tensors) -> bool:
@@ -146,6 +141,9 @@ class NonFiniteTracer:
             raise RuntimeError("this NonFiniteTracer is already active")
         self.first = None
         self.ops_seen = 0
+        # Not torch.utils.module_tracker.ModuleTracker: it hooks every module in the process
+        # (global hooks) and names them "<RootClass>.<path>", while the events name modules
+        # by their path in the traced model, and a tracer must not see other models' calls.
         if self.model is not None:
             for name, module in self.model.named_modules():
                 label = name or f"({type(module).__name__})"
