@@ -36,7 +36,6 @@ def test_quick_run_prints_every_suite(tmp_path, entry):
 
 # The single-comparison scripts, each in its --quick form (tables printed, numbers unchecked).
 SCRIPTS = {
-    "bench_autocast.py": "|",
     "bench_bounds.py": "### finite check of",
     "bench_opt_levels.py": "|",
     "bench_unscale.py": "|",
