@@ -523,3 +523,57 @@ def test_o0_and_o3_are_plain_training():
     F.cross_entropy(ref(x), y).backward()
     ref_opt.step()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+
+
+# -- Apex's module-level dispatch_amp.state_dict() / dispatch_amp.load_state_dict() ------------------------
+def _apex_style_run(steps, resume_from=None, inf_at=None):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = dispatch_amp.initialize(model, opt, opt_level="O1", dtype=torch.float16)
+    if resume_from is not None:
+        model.load_state_dict(resume_from["model"])
+        opt.load_state_dict(resume_from["opt"])
+        dispatch_amp.load_state_dict(resume_from["amp"])
+    gen = torch.Generator().manual_seed(1 if resume_from is None else 2)
+    for step in range(steps):
+        x = torch.randn(4, 8, generator=gen)
+        if step == inf_at:
+            x[0, 0] = float("inf")
+        opt.zero_grad()
+        with dispatch_amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+    return model, opt
+
+
+def test_module_state_dict_resumes_the_loss_scale_bit_identically():
+    model, opt = _apex_style_run(3, inf_at=1)
+    checkpoint = {"model": model.state_dict(), "opt": opt.state_dict(), "amp": dispatch_amp.state_dict()}
+    assert checkpoint["amp"]["loss_scaler0"]["scale"] == 2.0**15  # one backoff from 2**16
+    resumed, resumed_opt = _apex_style_run(2, resume_from=checkpoint)
+    assert dispatch_amp.state_dict()["loss_scaler0"]["scale"] == 2.0**15
+    # Continuing in the same process from the same point gives the same weights.
+    model2, opt2 = _apex_style_run(3, inf_at=1)
+    dispatch_amp.load_state_dict(checkpoint["amp"])
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(2):
+        x = torch.randn(4, 8, generator=gen)
+        opt2.zero_grad()
+        with dispatch_amp.scale_loss(model2(x).float().pow(2).mean(), opt2) as scaled:
+            scaled.backward()
+        opt2.step()
+    for a, b in zip(resumed.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_module_load_state_dict_takes_apex_entries_and_checks_before_changing():
+    _apex_style_run(1)
+    dispatch_amp.load_state_dict({"loss_scaler0": {"loss_scale": 128.0, "unskipped": 3}})
+    sd = dispatch_amp.state_dict()["loss_scaler0"]
+    assert sd["scale"] == 128.0 and sd["_growth_tracker"] == 3
+    with pytest.raises(ValueError, match="loss_scaler1"):
+        dispatch_amp.load_state_dict({"loss_scaler1": {"loss_scale": 2.0}})
+    with pytest.raises(ValueError):
+        dispatch_amp.load_state_dict({"loss_scaler0": {"loss_scale": 1e-50}})
+    assert dispatch_amp.state_dict()["loss_scaler0"]["scale"] == 128.0

@@ -29,6 +29,8 @@ __all__ = [
     "scale_loss",
     "master_params",
     "loss_scalers",
+    "state_dict",
+    "load_state_dict",
     "OptLevelProperties",
     "AmpNumericsWarning",
     "OverflowReport",
@@ -55,8 +57,10 @@ from .tracing import NonFiniteTracer  # noqa: E402
 from .opt_levels import (  # noqa: E402
     OptLevelProperties,
     initialize,
+    load_state_dict,
     loss_scalers,
     master_params,
     scale_loss,
+    state_dict,
 )
 from .torch_patch import patch_torch  # noqa: E402

@@ -74,9 +74,11 @@ loss's scale. With ``zero_grad()``'s default (``set_to_none=True``) nothing is s
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import numbers
 import types
+import weakref
 from collections import abc
 from dataclasses import dataclass
 
@@ -86,7 +88,7 @@ from torch import nn
 from .autocast import autocast, device_dtypes
 from .grad_scaler import GradScaler
 
-__all__ = ["OptLevelProperties", "initialize", "scale_loss", "master_params", "loss_scalers"]
+__all__ = ["OptLevelProperties", "initialize", "scale_loss", "master_params", "loss_scalers", "state_dict", "load_state_dict"]
 
 _LEVELS = ("O0", "O1", "O2", "O3")
 _LOW = (torch.float16, torch.bfloat16)
@@ -448,6 +450,16 @@ class _Handle:
         self.scalers = [props.make_scaler() for _ in range(num_losses)]
 
 
+class _Latest:
+    """The handle of the last ``initialize`` call, as Apex's module-level state keeps it
+    (a weak reference: it holds nothing alive; scripts written for Apex checkpoint it)."""
+
+    handle = None
+
+
+_LATEST = _Latest()
+
+
 class _OptimizerAmp:
     """What ``initialize`` attached to one optimizer (``optimizer._dispatch_amp``)."""
 
@@ -653,6 +665,7 @@ def initialize(
 
     # Optimizers: masters into param_groups (state re-keyed), step wrapped.
     handle = _Handle(props, num_losses)
+    _LATEST.handle = weakref.ref(handle)
     for o in opt_list:
         pairs = []
         for group in o.param_groups:
@@ -800,3 +813,68 @@ def loss_scalers(optimizer) -> list[GradScaler | None]:
         ckpt = {"scalers": [s.state_dict() for s in amp.loss_scalers(optimizer) if s]}
     """
     return list(_optimizer_amp(optimizer, "loss_scalers").handle.scalers)
+
+
+def _latest_scalers(funcname: str) -> list[GradScaler | None]:
+    handle = _LATEST.handle() if _LATEST.handle is not None else None
+    if handle is None:
+        raise RuntimeError(
+            f"{funcname}() found no live amp.initialize() result: call amp.initialize(model, "
+            f"optimizer, opt_level=...) first (it keeps the loss scalers this saves)."
+        )
+    return handle.scalers
+
+
+def state_dict() -> dict[str, dict]:
+    """The loss scalers of the last :func:`initialize`, as Apex's module-level ``amp.state_dict()``.
+
+    ``{"loss_scaler0": {...}, ...}``, one entry per loss id (each a ``GradScaler.state_dict()``;
+    levels without loss scaling save their static scale). Scripts written for Apex (timm's
+    ``--apex-amp`` path among them) put this in their checkpoints and resume it with
+    :func:`load_state_dict`.
+
+    Example::
+
+        model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
+        checkpoint = {"model": model.state_dict(), "amp": amp.state_dict()}
+    """
+    return {
+        f"loss_scaler{i}": (scaler.state_dict() if scaler is not None else {"loss_scale": 1.0})
+        for i, scaler in enumerate(_latest_scalers("state_dict"))
+    }
+
+
+def load_state_dict(state: dict) -> None:
+    """Restore :func:`state_dict` into the loss scalers of the last :func:`initialize`.
+
+    Also takes Apex's own entries (``{"loss_scale": ..., "unskipped": ...}``: the scale, and
+    the clean steps since the last change). Everything is checked before any scaler changes.
+
+    Example::
+
+        model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
+        amp.load_state_dict(checkpoint["amp"])
+    """
+    scalers = _latest_scalers("load_state_dict")
+    if not isinstance(state, dict):
+        raise TypeError(f"load_state_dict() expects the dict amp.state_dict() returned, got {type(state).__name__}.")
+    unknown = sorted(set(state) - {f"loss_scaler{i}" for i in range(len(scalers))})
+    if unknown:
+        raise ValueError(
+            f"load_state_dict(): keys {unknown} name no loss scaler of the last initialize() "
+            f"(it has {len(scalers)}: num_losses={len(scalers)})."
+        )
+    staged = []
+    for i, scaler in enumerate(scalers):
+        entry = state.get(f"loss_scaler{i}")
+        if entry is None or scaler is None:
+            continue
+        if "loss_scale" in entry and "scale" not in entry:  # Apex's form
+            sd = scaler.state_dict()
+            sd.update(scale=entry["loss_scale"], _growth_tracker=entry.get("unskipped", 0))
+            entry = sd
+        probe = copy.deepcopy(scaler)
+        probe.load_state_dict(entry)  # raises here, before any real scaler changed
+        staged.append((scaler, entry))
+    for scaler, entry in staged:
+        scaler.load_state_dict(entry)
