@@ -4,7 +4,9 @@ Run ``python -m dispatch_amp.demo`` (about a minute on a 2-core CPU). It trains 
 model from the same seed on text shipped with the package (``data/corpus.txt``) three
 times, prints a table of step time, peak memory, final loss, skipped steps and what share
 of the matmul FLOPs ran in 16 bits, prints a sample from our model, and writes a plot of
-loss (and loss scale, when a scaler ran) to ``demo.png``.
+loss, of our loss minus native's, and of the loss scale (when a scaler ran) to ``demo.png``.
+The three runs are interleaved step by step in rotating order, so load on the machine
+slows them alike; each keeps its own model, optimizer and batch generator.
 
 On CPU the default is bfloat16 without a scaler; ``--dtype float16`` (or a CUDA device)
 adds a GradScaler (torch's for the native run, ours for ours).
@@ -31,7 +33,7 @@ from torch import nn
 
 from . import GradScaler, autocast
 from .census import PrecisionCensus
-from .plotting import plot_training
+from .plotting import _pyplot
 
 __all__ = ["main", "CharGPT", "load_corpus"]
 
@@ -116,35 +118,45 @@ def _contexts(name: str, device: torch.device, dtype: torch.dtype):
     return (lambda: autocast(device.type, dtype=dtype)), scaler
 
 
-def _train(name, data, vocab, args, device, dtype, progress) -> RunResult:
-    torch.manual_seed(0)
-    model = CharGPT(vocab, seq=args.seq).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    context, scaler = _contexts(name, device, dtype)
-    generator = torch.Generator().manual_seed(1)
-    result = RunResult(name)
-    times = []
+class _Run:
+    """One of the three trainings, advanced a step at a time so the runs can be interleaved.
 
-    def batch():
-        starts = torch.randint(0, data.numel() - args.seq - 1, (args.batch,), generator=generator)
+    Each run owns its model, optimizer, scaler and batch generator: interleaving changes
+    only when a step runs, never what it computes, so the losses are those of three runs
+    one after another. The global RNG is used only to build the model, from seed 0.
+    """
+
+    def __init__(self, name, data, vocab, args, device, dtype):
+        torch.manual_seed(0)
+        self.model = CharGPT(vocab, seq=args.seq).to(device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr)
+        self.context, self.scaler = _contexts(name, device, dtype)
+        self.generator = torch.Generator().manual_seed(1)
+        self.data, self.vocab, self.args, self.device = data, vocab, args, device
+        self.result = RunResult(name)
+        self.times: list[float] = []
+
+    def batch(self):
+        args, data = self.args, self.data
+        starts = torch.randint(0, data.numel() - args.seq - 1, (args.batch,), generator=self.generator)
         x = torch.stack([data[s : s + args.seq] for s in starts.tolist()])
         y = torch.stack([data[s + 1 : s + args.seq + 1] for s in starts.tolist()])
-        return x.to(device), y.to(device)
+        return x.to(self.device), y.to(self.device)
 
-    def loss_of(x, y):
-        with context():
-            logits = model(x)
-            return F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
+    def loss_of(self, x, y):
+        with self.context():
+            logits = self.model(x)
+            return F.cross_entropy(logits.reshape(-1, self.vocab), y.reshape(-1))
 
-    _reset_peak(device)
-    for step in progress(range(args.steps), desc=f"{name:>16}"):
-        x, y = batch()
+    def step(self, step: int) -> None:
+        scaler, result = self.scaler, self.result
+        x, y = self.batch()
         start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        loss = loss_of(x, y)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_of(x, y)
         if scaler is not None:
             scaler.scale(loss).backward()
-            scaler.step(optimizer)
+            scaler.step(self.optimizer)
             before = scaler.get_scale() if isinstance(scaler, torch.amp.GradScaler) else None
             scaler.update()
             if before is not None:  # torch's scaler keeps no record: a drop means a skip
@@ -153,26 +165,44 @@ def _train(name, data, vocab, args, device, dtype, progress) -> RunResult:
                 result.scales.append((step, before, skipped))
         else:
             loss.backward()
-            optimizer.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
+            self.optimizer.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.times.append(time.perf_counter() - start)
         result.losses.append(loss.item())
-    result.peak_mb = _peak_mb(device)
-    warm = times[min(3, len(times) - 1):] if len(times) > 1 else times
-    result.step_ms = statistics.median(warm) * 1e3
-    if isinstance(scaler, GradScaler):
-        result.skipped = scaler.skipped_steps
-        result.scales = scaler.scale_history()
 
-    # One more forward and backward, untimed, to see what ran in which precision.
-    x, y = batch()
-    with PrecisionCensus() as census:
-        loss_of(x, y).backward()
-    result.low_precision_share = 1.0 - census.matmul_flops_fraction(torch.float32)
-    if name == "dispatch_amp":
-        result.sample = _sample(model, data, vocab, args, device, context)
-    return result
+    def finish(self) -> RunResult:
+        result, times = self.result, self.times
+        warm = times[min(3, len(times) - 1):] if len(times) > 1 else times
+        result.step_ms = statistics.median(warm) * 1e3
+        if isinstance(self.scaler, GradScaler):
+            result.skipped = self.scaler.skipped_steps
+            result.scales = self.scaler.scale_history()
+        # Untimed: the peak of one forward and backward (all three runs' weights and
+        # optimizer states are resident by now, the same baseline for each).
+        self.optimizer.zero_grad(set_to_none=True)
+        x, y = self.batch()
+        _reset_peak(self.device)
+        self.loss_of(x, y).backward()
+        result.peak_mb = _peak_mb(self.device)
+        # One more forward and backward to see what ran in which precision.
+        x, y = self.batch()
+        with PrecisionCensus() as census:
+            self.loss_of(x, y).backward()
+        result.low_precision_share = 1.0 - census.matmul_flops_fraction(torch.float32)
+        if result.name == "dispatch_amp":
+            result.sample = _sample(self.model, self.data, self.vocab, self.args, self.device, self.context)
+        return result
+
+
+def _train_interleaved(runs: list[_Run], steps: int, progress) -> list[RunResult]:
+    # Step by step in rotating order (A B C, B C A, ...), like the benchmarks: load on the
+    # machine then slows every run alike instead of whichever ran during it.
+    for step in progress(range(steps), desc="training"):
+        k = step % len(runs)
+        for run in runs[k:] + runs[:k]:
+            run.step(step)
+    return [run.finish() for run in runs]
 
 
 def _sample(model, data, vocab, args, device, context, length: int = 120) -> str:
@@ -204,6 +234,45 @@ def format_table(results: list[RunResult], dtype: torch.dtype) -> str:
             f"{final:.3f} | {r.skipped} | {100 * r.low_precision_share:.1f}% |"
         )
     return "\n".join(lines)
+
+
+def _plot_demo(results: list[RunResult], path, *, title: str) -> str:
+    # Three panels: the losses, ours minus native per step (the AMP curves lie on top of
+    # each other at the loss panel's scale; a divergence shows here), and loss scales.
+    plt = _pyplot()
+    by_name = {r.name: r for r in results}
+    with_scale = any(r.scales for r in results)
+    fig, axes = plt.subplots(3 if with_scale else 2, 1, figsize=(8, 8.5 if with_scale else 6), squeeze=False)
+    ax = axes[0][0]
+    for r, style in zip(results, ("-", "--", ":")):
+        ax.plot(range(1, len(r.losses) + 1), r.losses, style, label=r.name, linewidth=1.4)
+    ax.set(xlabel="step", ylabel="loss", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax = axes[1][0]
+    ours, native = by_name["dispatch_amp"].losses, by_name["torch.autocast"].losses
+    ax.plot(range(1, len(ours) + 1), [a - b for a, b in zip(ours, native)], color="C2", linewidth=1.2)
+    ax.axhline(0.0, color="gray", linewidth=0.8)
+    ax.set(xlabel="step", ylabel="loss: dispatch_amp - torch.autocast")
+    ax.grid(alpha=0.3)
+    if with_scale:
+        ax = axes[2][0]
+        for r in results:
+            if not r.scales:
+                continue
+            ax.step([row[0] for row in r.scales], [row[1] for row in r.scales], where="post", label=f"{r.name} scale")
+            skipped = [(row[0], row[1]) for row in r.scales if row[2]]
+            if skipped:
+                ax.scatter(*zip(*skipped), marker="x", color="red", label=f"{r.name} skipped")
+        ax.set_yscale("log", base=2)
+        ax.set(xlabel="step", ylabel="loss scale")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    path = os.fspath(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _progress_bar():
@@ -250,22 +319,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{device.type}, {str(dtype).replace('torch.', '')}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
     progress = _progress_bar()
-    results = [
-        _train(name, data, vocab, args, device, dtype, progress)
-        for name in ("fp32", "torch.autocast", "dispatch_amp")
-    ]
+    runs = [_Run(name, data, vocab, args, device, dtype) for name in ("fp32", "torch.autocast", "dispatch_amp")]
+    results = _train_interleaved(runs, args.steps, progress)
     print()
     print(format_table(results, dtype))
     print()
     print("sample from the dispatch_amp run:", repr(results[-1].sample[:100]))
     if not args.no_plot:
         try:
-            path = plot_training(
-                {r.name: r.losses for r in results},
-                args.plot,
-                scales={r.name: r.scales for r in results if r.scales},
-                title=f"char GPT, {device.type} {str(dtype).replace('torch.', '')}",
-            )
+            path = _plot_demo(results, args.plot, title=f"char GPT, {device.type} {str(dtype).replace('torch.', '')}")
             print(f"plot written to {os.path.abspath(path)}")
         except ImportError as error:
             print(f"no plot: {error}")
