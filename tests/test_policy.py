@@ -18,7 +18,7 @@ def test_builtin_tables_resolve_and_have_no_duplicates():
 
 def test_device_tables_differ_where_native_differs():
     cuda, cpu = Policy.for_device("cuda"), Policy.for_device("cpu")
-    # DESIGN fact 5: on CPU native leaves layer_norm, softmax and exp in the input dtype.
+    # On CPU native leaves layer_norm, softmax and exp in the input dtype (their CUDA entries are fp32).
     for op in ("layer_norm", "softmax", "exp"):
         assert cpu.kind_of(op) is None
         assert cuda.kind_of(op) in (op_tables.FP32, op_tables.FP32_UNLESS_DTYPE)
