@@ -1,4 +1,5 @@
-"""Lightning's precision strings, and the scaler each one needs (Trainer and Fabric plugins)."""
+"""Lightning's precision strings, the scaler each one needs, and what the Trainer and Fabric
+plugins share."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 import torch
 
 from ..grad_scaler import GradScaler
+from ..policy import Policy
 
 PRECISIONS: dict[str, torch.dtype] = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
 
@@ -59,3 +61,36 @@ def make_scaler(
     if scaler is not None:
         return scaler
     return GradScaler(device, **dict(scaler_options or {}))
+
+
+class PolicyPrecision:
+    """The part the Trainer and Fabric plugins share; put it before Lightning's class.
+
+    Takes Lightning's ``(precision, device, scaler)`` plus ``policy=`` and
+    ``scaler_options=``; the subclass names its autocast in ``_region()``, built once here
+    so a bad device or policy fails when the plugin is made, not at the first step.
+
+    Example::
+
+        class MixedPrecision(PolicyPrecision, lightning_MixedPrecision):
+            def _region(self): ...
+    """
+
+    def __init__(
+        self,
+        precision: str,
+        device: str,
+        scaler: Any = None,
+        *,
+        policy: Policy | None = None,
+        scaler_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(precision, device, make_scaler(precision, device, scaler, scaler_options))
+        self.policy = policy
+        self._region()
+
+    def _region(self):
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.precision!r}, {self.device!r}, policy={self.policy and self.policy.name!r})"

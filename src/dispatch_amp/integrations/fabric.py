@@ -21,19 +21,15 @@ Importing this module imports ``lightning``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from lightning.fabric.plugins.precision import MixedPrecision as _FabricMixedPrecision
 
 from ..autocast import autocast
-from ..policy import Policy
-from ._modes import make_scaler
+from ._modes import PolicyPrecision
 
 __all__ = ["MixedPrecision"]
 
 
-class MixedPrecision(_FabricMixedPrecision):
+class MixedPrecision(PolicyPrecision, _FabricMixedPrecision):
     """Lightning Fabric precision plugin: ``dispatch_amp.autocast`` for the forward, our GradScaler.
 
     Args:
@@ -54,21 +50,6 @@ class MixedPrecision(_FabricMixedPrecision):
         fabric = L.Fabric(accelerator="cpu", plugins=[plugin])
     """
 
-    def __init__(
-        self,
-        precision: str,
-        device: str,
-        scaler: Any = None,
-        *,
-        policy: Policy | None = None,
-        scaler_options: Mapping[str, Any] | None = None,
-    ) -> None:
-        scaler = make_scaler(precision, device, scaler, scaler_options)
-        super().__init__(precision, device, scaler)
-        self.policy = policy
-        # Built once here so a bad device or policy fails when the plugin is made.
-        self.forward_context()
-
     def forward_context(self) -> autocast:
         """A fresh ``dispatch_amp.autocast`` for one forward (what ``fabric.autocast()`` returns).
 
@@ -77,7 +58,8 @@ class MixedPrecision(_FabricMixedPrecision):
             >>> MixedPrecision("16-mixed", "cpu").forward_context()
             autocast('cpu', dtype=torch.float16, enabled=True, cache_enabled=True, policy='cpu')
         """
+        return self._region()
+
+    def _region(self) -> autocast:
         return autocast(self.device, self._desired_input_dtype, policy=self.policy)
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.precision!r}, {self.device!r}, policy={self.policy and self.policy.name!r})"

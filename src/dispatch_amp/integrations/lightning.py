@@ -20,14 +20,12 @@ Importing this module imports ``lightning``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from lightning.pytorch.plugins.precision import MixedPrecision as _LightningMixedPrecision
 
 from ..autocast import autocast
-from ..policy import Policy
-from ._modes import make_scaler, precision_dtype
+from ._modes import PolicyPrecision, precision_dtype
 
 __all__ = ["MixedPrecision"]
 
@@ -35,7 +33,7 @@ __all__ = ["MixedPrecision"]
 STOCK_CHECKPOINT_KEY = _LightningMixedPrecision.__qualname__
 
 
-class MixedPrecision(_LightningMixedPrecision):
+class MixedPrecision(PolicyPrecision, _LightningMixedPrecision):
     """Lightning Trainer precision plugin: ``dispatch_amp.autocast`` around each step, our GradScaler.
 
     Args:
@@ -59,22 +57,6 @@ class MixedPrecision(_LightningMixedPrecision):
         trainer = L.Trainer(accelerator="cpu", plugins=[plugin])
     """
 
-    def __init__(
-        self,
-        precision: str,
-        device: str,
-        scaler: Any = None,
-        *,
-        policy: Policy | None = None,
-        scaler_options: Mapping[str, Any] | None = None,
-    ) -> None:
-        scaler = make_scaler(precision, device, scaler, scaler_options)
-        super().__init__(precision, device, scaler)
-        self.policy = policy
-        # Built once here so a bad device or policy fails when the plugin is made, not at
-        # the first training step.
-        self.autocast_context_manager()
-
     def autocast_context_manager(self) -> autocast:
         """A fresh ``dispatch_amp.autocast`` for one forward (Lightning enters it per step).
 
@@ -83,6 +65,9 @@ class MixedPrecision(_LightningMixedPrecision):
             >>> MixedPrecision("bf16-mixed", "cpu").autocast_context_manager()
             autocast('cpu', dtype=torch.bfloat16, enabled=True, cache_enabled=False, policy='cpu')
         """
+        return self._region()
+
+    def _region(self) -> autocast:
         return autocast(self.device, precision_dtype(self.precision), cache_enabled=False, policy=self.policy)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -116,6 +101,4 @@ class MixedPrecision(_LightningMixedPrecision):
         if own != STOCK_CHECKPOINT_KEY and own not in checkpoint and STOCK_CHECKPOINT_KEY in checkpoint:
             self.load_state_dict(checkpoint[STOCK_CHECKPOINT_KEY])
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.precision!r}, {self.device!r}, policy={self.policy and self.policy.name!r})"
 
