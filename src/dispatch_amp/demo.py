@@ -33,7 +33,7 @@ from torch import nn
 
 from . import GradScaler, autocast
 from .census import PrecisionCensus
-from .plotting import _pyplot
+from .plotting import _pyplot, draw_scales
 
 __all__ = ["main", "CharGPT", "load_corpus"]
 
@@ -256,18 +256,7 @@ def _plot_demo(results: list[RunResult], path, *, title: str) -> str:
     ax.set(xlabel="step", ylabel="loss: dispatch_amp - torch.autocast")
     ax.grid(alpha=0.3)
     if with_scale:
-        ax = axes[2][0]
-        for r in results:
-            if not r.scales:
-                continue
-            ax.step([row[0] for row in r.scales], [row[1] for row in r.scales], where="post", label=f"{r.name} scale")
-            skipped = [(row[0], row[1]) for row in r.scales if row[2]]
-            if skipped:
-                ax.scatter(*zip(*skipped), marker="x", color="red", label=f"{r.name} skipped")
-        ax.set_yscale("log", base=2)
-        ax.set(xlabel="step", ylabel="loss scale")
-        ax.grid(alpha=0.3)
-        ax.legend()
+        draw_scales(axes[2][0], {r.name: r.scales for r in results})
     fig.tight_layout()
     path = os.fspath(path)
     fig.savefig(path, dpi=110)

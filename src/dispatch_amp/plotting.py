@@ -68,22 +68,31 @@ def plot_training(
     ax.grid(alpha=0.3)
     ax.legend()
     if with_scale:
-        ax = axes[1][0]
-        for name, rows in scales.items():
-            if not rows:
-                continue
-            steps = [r[0] for r in rows]
-            ax.step(steps, [r[1] for r in rows], where="post", label=f"{name} scale")
-            skipped = [(r[0], r[1]) for r in rows if r[2]]
-            if skipped:
-                ax.scatter(*zip(*skipped), marker="x", color="red", label=f"{name} skipped")
-        ax.set_yscale("log", base=2)
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss scale")
-        ax.grid(alpha=0.3)
-        ax.legend()
+        draw_scales(axes[1][0], scales)
     fig.tight_layout()
     path = os.fspath(path)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def draw_scales(ax, scales) -> None:
+    """Draws each run's loss scale on ``ax`` (log 2 axis), marking skipped steps.
+
+    ``scales``: run name -> ``(step, scale, skipped)`` rows, as ``GradScaler.scale_history()``.
+
+    Example::
+
+        draw_scales(ax, {"fp16": scaler.scale_history()})
+    """
+    for name, rows in scales.items():
+        if not rows:
+            continue
+        ax.step([r[0] for r in rows], [r[1] for r in rows], where="post", label=f"{name} scale")
+        skipped = [(r[0], r[1]) for r in rows if r[2]]
+        if skipped:
+            ax.scatter(*zip(*skipped), marker="x", color="red", label=f"{name} skipped")
+    ax.set_yscale("log", base=2)
+    ax.set(xlabel="step", ylabel="loss scale")
+    ax.grid(alpha=0.3)
+    ax.legend()
