@@ -115,6 +115,135 @@ def _is_real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+# ----------------------------------------------------------------------------------------
+# resolving a level's properties (OptLevelProperties.for_level)
+# ----------------------------------------------------------------------------------------
+
+
+def _level_default(opt_level: str, name: str, override):
+    """``override``, or the level's table entry ``name`` where it is ``None``."""
+    return _TABLE[opt_level][name] if override is None else override
+
+
+def _check_opt_level(opt_level) -> None:
+    if opt_level not in _LEVELS:
+        hint = " (the letter O, not the digit 0)" if isinstance(opt_level, str) and opt_level[:1] == "0" else ""
+        raise ValueError(f"unknown opt_level {opt_level!r}{hint}; valid levels: {_LEVEL_HELP}")
+
+
+def _device_default_dtype(device_type: str, dtype, cast_model_outputs) -> torch.dtype:
+    """The device's default low precision, after checking ``dtype`` and ``cast_model_outputs`` against it."""
+    try:
+        default_dtype, supported = device_dtypes(device_type)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"unsupported device type {device_type!r} for opt levels: {e}") from None
+    for name, value in (("dtype", dtype), ("cast_model_outputs", cast_model_outputs)):
+        if value is not None and not isinstance(value, torch.dtype):
+            raise TypeError(f"{name} must be a torch.dtype or None, got {type(value).__name__}")
+    if dtype is not None and dtype not in supported:
+        raise ValueError(f"dtype must be one of {list(supported)} on {device_type!r}, got {dtype}")
+    if cast_model_outputs is not None and not cast_model_outputs.is_floating_point:
+        raise ValueError(f"cast_model_outputs must be a floating dtype, got {cast_model_outputs}")
+    return default_dtype
+
+
+def _resolve_cast_model_type(opt_level: str, cast_model_type, dtype, default_dtype: torch.dtype):
+    """``(cast_model_type, dtype)``: what the weights are cast to (``None``: not cast), and the low precision."""
+    # None keeps the level's default; False and torch.float32 mean "do not cast".
+    if cast_model_type is False:
+        cast = None
+    elif cast_model_type is None or cast_model_type is torch.float32:
+        cast = cast_model_type
+    elif cast_model_type in _LOW:
+        if dtype is not None and dtype != cast_model_type:
+            raise ValueError(
+                f"cast_model_type={cast_model_type} contradicts dtype={dtype}: pass one of them "
+                "(cast_model_type defaults to dtype at O2/O3)"
+            )
+        dtype = cast_model_type
+        cast = cast_model_type
+    else:
+        raise ValueError(
+            f"cast_model_type must be None, False, torch.float32, torch.float16 or torch.bfloat16, got {cast_model_type!r}"
+        )
+    dtype = default_dtype if dtype is None else dtype
+    if cast_model_type is None:
+        default = _TABLE[opt_level]["cast_model_type"]
+        cast = dtype if default == "dtype" else default
+    return cast, dtype
+
+
+def _refuse_o1_overrides(cast, keep_batchnorm_fp32, master_weights) -> None:
+    # Apex's checks: O1 casts around ops, never the weights themselves.
+    if cast in _LOW:
+        raise ValueError(
+            f"cast_model_type={cast} makes no sense for opt_level 'O1': O1 keeps the model's "
+            "weights fp32 and casts inside the forward (autocast). To cast the weights, use O2 or O3."
+        )
+    if keep_batchnorm_fp32 is not None:
+        raise ValueError(
+            f"keep_batchnorm_fp32={keep_batchnorm_fp32} makes no sense for opt_level 'O1': O1 does "
+            "not cast the model, so its batch norms stay fp32 anyway (autocast picks each op's "
+            "precision). Leave it None, or use O2/O3 to cast the model."
+        )
+    if master_weights:
+        raise ValueError(
+            "master_weights=True makes no sense for opt_level 'O1': O1 keeps the model's weights "
+            "fp32, so they are their own master weights. For a low-precision model with fp32 "
+            "master weights, use opt_level='O2'."
+        )
+
+
+def _check_bool_overrides(**overrides) -> None:
+    for name, value in overrides.items():
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool or None, got {value!r}")
+
+
+def _resolve_keep_batchnorm_and_masters(opt_level: str, casts: bool, keep_batchnorm_fp32, master_weights):
+    """``(keep_batchnorm_fp32, master_weights)``: both only mean something for a cast model."""
+    if casts:
+        keep_bn = bool(_level_default(opt_level, "keep_batchnorm_fp32", keep_batchnorm_fp32))
+        return keep_bn, bool(_level_default(opt_level, "master_weights", master_weights))
+    if keep_batchnorm_fp32 is not None:
+        raise ValueError(
+            f"keep_batchnorm_fp32={keep_batchnorm_fp32} makes no sense for opt_level {opt_level!r} "
+            "with fp32 weights: no weight is cast, batch norms included. It applies to O2/O3."
+        )
+    if master_weights:
+        raise ValueError(
+            f"master_weights=True makes no sense for opt_level {opt_level!r} with fp32 weights: "
+            "master weights are fp32 copies of low-precision weights. Use O2 (or cast_model_type=dtype)."
+        )
+    return None, False
+
+
+def _resolve_loss_scale(opt_level: str, loss_scale, min_loss_scale, max_loss_scale):
+    """``(loss_scale, max_loss_scale)``: a static scale as a float, or ``"dynamic"`` with Apex's ceiling by default."""
+    scale = _level_default(opt_level, "loss_scale", loss_scale)
+    if scale != _DYNAMIC:
+        if not _is_real(scale) or not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"loss_scale must be 'dynamic' or a finite float > 0, got {scale!r}")
+        scale = float(scale)
+        if min_loss_scale is not None or max_loss_scale is not None:
+            raise ValueError(
+                f"min_loss_scale/max_loss_scale bound a dynamic loss scale; loss_scale={scale} is static. "
+                "Pass loss_scale='dynamic' or drop the bounds."
+            )
+    elif max_loss_scale is None:
+        max_loss_scale = _APEX_MAX_LOSS_SCALE
+    return scale, max_loss_scale
+
+
+def _refuse_fp16_grads_without_masters(cast, master: bool, scale) -> None:
+    if cast is torch.float16 and not master and (scale == _DYNAMIC or scale != 1.0):
+        raise ValueError(
+            f"loss_scale={scale!r} with float16 weights and no master weights: the gradients would "
+            "be float16, and GradScaler (like torch's) refuses to unscale float16 gradients in place. "
+            "Use master_weights=True (O2), loss_scale=1.0, or dtype=torch.bfloat16."
+        )
+
+
 @dataclass(frozen=True)
 class OptLevelProperties:
     """The resolved properties of one optimization level (frozen; built by :meth:`for_level`).
@@ -194,111 +323,23 @@ class OptLevelProperties:
             ...
             ValueError: master_weights=True makes no sense for opt_level 'O1': ...
         """
-        if opt_level not in _LEVELS:
-            hint = " (the letter O, not the digit 0)" if isinstance(opt_level, str) and opt_level[:1] == "0" else ""
-            raise ValueError(f"unknown opt_level {opt_level!r}{hint}; valid levels: {_LEVEL_HELP}")
-        try:
-            default_dtype, supported = device_dtypes(device_type)
-        except (RuntimeError, ValueError) as e:
-            raise ValueError(f"unsupported device type {device_type!r} for opt levels: {e}") from None
-        for name, value in (("dtype", dtype), ("cast_model_outputs", cast_model_outputs)):
-            if value is not None and not isinstance(value, torch.dtype):
-                raise TypeError(f"{name} must be a torch.dtype or None, got {type(value).__name__}")
-        if dtype is not None and dtype not in supported:
-            raise ValueError(f"dtype must be one of {list(supported)} on {device_type!r}, got {dtype}")
-        if cast_model_outputs is not None and not cast_model_outputs.is_floating_point:
-            raise ValueError(f"cast_model_outputs must be a floating dtype, got {cast_model_outputs}")
-
-        # cast_model_type: None keeps the level's default; False and torch.float32 mean "do not cast".
-        if cast_model_type is False:
-            cast = None
-        elif cast_model_type is None or cast_model_type is torch.float32:
-            cast = cast_model_type
-        elif cast_model_type in _LOW:
-            if dtype is not None and dtype != cast_model_type:
-                raise ValueError(
-                    f"cast_model_type={cast_model_type} contradicts dtype={dtype}: pass one of them "
-                    "(cast_model_type defaults to dtype at O2/O3)"
-                )
-            dtype = cast_model_type
-            cast = cast_model_type
-        else:
-            raise ValueError(
-                f"cast_model_type must be None, False, torch.float32, torch.float16 or torch.bfloat16, got {cast_model_type!r}"
-            )
-        dtype = default_dtype if dtype is None else dtype
-
+        _check_opt_level(opt_level)
+        default_dtype = _device_default_dtype(device_type, dtype, cast_model_outputs)
+        cast, dtype = _resolve_cast_model_type(opt_level, cast_model_type, dtype, default_dtype)
         if opt_level == "O1":
-            # Apex's checks: O1 casts around ops, never the weights themselves.
-            if cast in _LOW:
-                raise ValueError(
-                    f"cast_model_type={cast} makes no sense for opt_level 'O1': O1 keeps the model's "
-                    "weights fp32 and casts inside the forward (autocast). To cast the weights, use O2 or O3."
-                )
-            if keep_batchnorm_fp32 is not None:
-                raise ValueError(
-                    f"keep_batchnorm_fp32={keep_batchnorm_fp32} makes no sense for opt_level 'O1': O1 does "
-                    "not cast the model, so its batch norms stay fp32 anyway (autocast picks each op's "
-                    "precision). Leave it None, or use O2/O3 to cast the model."
-                )
-            if master_weights:
-                raise ValueError(
-                    "master_weights=True makes no sense for opt_level 'O1': O1 keeps the model's weights "
-                    "fp32, so they are their own master weights. For a low-precision model with fp32 "
-                    "master weights, use opt_level='O2'."
-                )
-
-        row = _TABLE[opt_level]
-        if cast is None and cast_model_type is None:
-            cast = dtype if row["cast_model_type"] == "dtype" else row["cast_model_type"]
-        casts = cast in _LOW
-        patch = row["patch_torch_functions"] if patch_torch_functions is None else patch_torch_functions
-        if not isinstance(patch, bool):
-            raise TypeError(f"patch_torch_functions must be a bool or None, got {patch!r}")
-        for name, value in (("keep_batchnorm_fp32", keep_batchnorm_fp32), ("master_weights", master_weights)):
-            if value is not None and not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool or None, got {value!r}")
-        if casts:
-            keep_bn = row["keep_batchnorm_fp32"] if keep_batchnorm_fp32 is None else keep_batchnorm_fp32
-            keep_bn = bool(keep_bn)
-            master = bool(row["master_weights"] if master_weights is None else master_weights)
-        else:
-            if keep_batchnorm_fp32 is not None:
-                raise ValueError(
-                    f"keep_batchnorm_fp32={keep_batchnorm_fp32} makes no sense for opt_level {opt_level!r} "
-                    "with fp32 weights: no weight is cast, batch norms included. It applies to O2/O3."
-                )
-            if master_weights:
-                raise ValueError(
-                    f"master_weights=True makes no sense for opt_level {opt_level!r} with fp32 weights: "
-                    "master weights are fp32 copies of low-precision weights. Use O2 (or cast_model_type=dtype)."
-                )
-            keep_bn, master = None, False
-
-        scale = row["loss_scale"] if loss_scale is None else loss_scale
-        if scale != _DYNAMIC:
-            if not _is_real(scale) or not (math.isfinite(scale) and scale > 0):
-                raise ValueError(f"loss_scale must be 'dynamic' or a finite float > 0, got {scale!r}")
-            scale = float(scale)
-            if min_loss_scale is not None or max_loss_scale is not None:
-                raise ValueError(
-                    f"min_loss_scale/max_loss_scale bound a dynamic loss scale; loss_scale={scale} is static. "
-                    "Pass loss_scale='dynamic' or drop the bounds."
-                )
-        elif max_loss_scale is None:
-            max_loss_scale = _APEX_MAX_LOSS_SCALE
-        if casts and cast is torch.float16 and not master and (scale == _DYNAMIC or scale != 1.0):
-            raise ValueError(
-                f"loss_scale={scale!r} with float16 weights and no master weights: the gradients would "
-                "be float16, and GradScaler (like torch's) refuses to unscale float16 gradients in place. "
-                "Use master_weights=True (O2), loss_scale=1.0, or dtype=torch.bfloat16."
-            )
+            _refuse_o1_overrides(cast, keep_batchnorm_fp32, master_weights)
+        _check_bool_overrides(
+            patch_torch_functions=patch_torch_functions, keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights
+        )
+        keep_bn, master = _resolve_keep_batchnorm_and_masters(opt_level, cast in _LOW, keep_batchnorm_fp32, master_weights)
+        scale, max_loss_scale = _resolve_loss_scale(opt_level, loss_scale, min_loss_scale, max_loss_scale)
+        _refuse_fp16_grads_without_masters(cast, master, scale)
         return cls(
             opt_level=opt_level,
             device_type=device_type,
             dtype=dtype,
             cast_model_type=cast,
-            patch_torch_functions=patch,
+            patch_torch_functions=_level_default(opt_level, "patch_torch_functions", patch_torch_functions),
             keep_batchnorm_fp32=keep_bn,
             master_weights=master,
             loss_scale=scale,
@@ -541,6 +582,95 @@ def _device_type(models: list[nn.Module]) -> str:
     return types_.pop() if types_ else "cpu"
 
 
+def _as_given(items: list, is_list: bool):
+    return items if is_list else items[0]
+
+
+def _refuse_second_initialize(model_list: list[nn.Module], opt_list: list[torch.optim.Optimizer]) -> None:
+    for m in model_list:
+        if "_dispatch_amp" in m.__dict__:
+            raise RuntimeError(
+                f"initialize() was already called on this model ({type(m).__name__}, opt_level "
+                f"{m._dispatch_amp.props.opt_level}); call it once per model, with all its optimizers."
+            )
+    for o in opt_list:
+        if "_dispatch_amp" in o.__dict__:
+            raise RuntimeError(
+                f"initialize() was already called on this optimizer ({type(o).__name__}); call it once, "
+                "with the models whose parameters it updates."
+            )
+        if "step" in o.__dict__:
+            raise RuntimeError(
+                f"this {type(o).__name__}'s step is already wrapped on the instance (by an LR scheduler, "
+                "or another library); initialize() must wrap it first. Create LR schedulers after "
+                "amp.initialize()."
+            )
+
+
+def _fp32_masters(
+    model_list: list[nn.Module], opt_list: list[torch.optim.Optimizer], props: OptLevelProperties
+) -> dict[int, nn.Parameter]:
+    """``id(parameter) -> fp32 master`` for each optimizer parameter that ends up low precision.
+
+    Empty unless the level keeps master weights. Call it before the models are cast.
+    """
+    masters: dict[int, nn.Parameter] = {}
+    if not props.master_weights:
+        return masters
+    model_param_ids = {id(p) for m in model_list for p in m.parameters()}
+    will_be_low = {id(p) for m in model_list for _, _, p in _params_to_cast(m, props)}
+    will_be_low |= {id(p) for m in model_list for p in m.parameters() if p.dtype in _LOW}
+    for i, o in enumerate(opt_list):
+        for g, group in enumerate(o.param_groups):
+            for p in group["params"]:
+                if id(p) not in model_param_ids:
+                    raise ValueError(
+                        f"optimizer {i} ({type(o).__name__}), param group {g}, holds a parameter of shape "
+                        f"{tuple(p.shape)} that belongs to none of the models passed to initialize(): at "
+                        f"opt_level {props.opt_level} its fp32 master weight could not be kept in step with a "
+                        "model. Pass every model whose parameters the optimizer updates."
+                    )
+                if id(p) in will_be_low and id(p) not in masters:
+                    # From the fp32 values before the cast: masters start exact, not rounded.
+                    masters[id(p)] = nn.Parameter(p.detach().to(torch.float32, copy=True), requires_grad=p.requires_grad)
+    return masters
+
+
+def _prepare_model(model: nn.Module, props: OptLevelProperties, masters: dict[int, nn.Parameter]) -> None:
+    """Cast ``model`` in place, wrap its forward where the level needs it, hook its state_dict."""
+    _cast_model_(model, props)
+    by_name = {name: masters[id(p)] for name, p in model.named_parameters(remove_duplicate=False) if id(p) in masters}
+    model._dispatch_amp = _ModelAmp(props, by_name)
+    input_dtype = props.dtype if props.casts_model else None
+    output_dtype = props.cast_model_outputs or (torch.float32 if props.casts_model else None)
+    autocast_args = (props.device_type, props.dtype) if props.patch_torch_functions else None
+    if input_dtype is not None or output_dtype is not None or autocast_args is not None:
+        model.forward = _Forward(model, model.__dict__.get("forward"), input_dtype, output_dtype, autocast_args)
+    if props.casts_model:
+        model.register_state_dict_post_hook(_state_dict_fp32)
+        model.register_load_state_dict_pre_hook(_load_into_masters)
+
+
+def _prepare_optimizer(optimizer: torch.optim.Optimizer, handle: _Handle, masters: dict[int, nn.Parameter]) -> None:
+    """Put the masters into ``optimizer``'s param groups (its state re-keyed to them) and wrap its step."""
+    pairs = []
+    for group in optimizer.param_groups:
+        new_params = []
+        for p in group["params"]:
+            master = masters.get(id(p))
+            if master is None:
+                new_params.append(p)
+                continue
+            pairs.append((p, master))
+            new_params.append(master)
+            if p in optimizer.state:
+                state = optimizer.state.pop(p)
+                optimizer.state[master] = {k: v.float() if torch.is_tensor(v) and v.dtype in _LOW else v for k, v in state.items()}
+        group["params"] = new_params
+    optimizer._dispatch_amp = _OptimizerAmp(handle, pairs)
+    optimizer.step = types.MethodType(_amp_step, optimizer)
+
+
 def initialize(
     models,
     optimizers=None,
@@ -594,24 +724,7 @@ def initialize(
         opt_list, opts_is_list = [], False
     else:
         opt_list, opts_is_list = _as_list(optimizers, torch.optim.Optimizer, "optimizers")
-    for m in model_list:
-        if "_dispatch_amp" in m.__dict__:
-            raise RuntimeError(
-                f"initialize() was already called on this model ({type(m).__name__}, opt_level "
-                f"{m._dispatch_amp.props.opt_level}); call it once per model, with all its optimizers."
-            )
-    for o in opt_list:
-        if "_dispatch_amp" in o.__dict__:
-            raise RuntimeError(
-                f"initialize() was already called on this optimizer ({type(o).__name__}); call it once, "
-                "with the models whose parameters it updates."
-            )
-        if "step" in o.__dict__:
-            raise RuntimeError(
-                f"this {type(o).__name__}'s step is already wrapped on the instance (by an LR scheduler, "
-                "or another library); initialize() must wrap it first. Create LR schedulers after "
-                "amp.initialize()."
-            )
+    _refuse_second_initialize(model_list, opt_list)
     if not isinstance(num_losses, int) or isinstance(num_losses, bool) or num_losses < 1:
         raise ValueError(f"num_losses must be an int >= 1, got {num_losses!r}")
     props = OptLevelProperties.for_level(
@@ -627,65 +740,19 @@ def initialize(
         min_loss_scale=min_loss_scale,
         max_loss_scale=max_loss_scale,
     )
-
-    # Which parameters end up low precision, and (O2) their masters. Everything is
-    # validated before anything changes, so a refused call leaves the objects as they were.
-    model_param_ids = {id(p) for m in model_list for p in m.parameters()}
-    will_be_low = {id(p) for m in model_list for _, _, p in _params_to_cast(m, props)}
-    will_be_low |= {id(p) for m in model_list for p in m.parameters() if p.dtype in _LOW}
-    masters: dict[int, nn.Parameter] = {}
-    if props.master_weights:
-        for i, o in enumerate(opt_list):
-            for g, group in enumerate(o.param_groups):
-                for p in group["params"]:
-                    if id(p) not in model_param_ids:
-                        raise ValueError(
-                            f"optimizer {i} ({type(o).__name__}), param group {g}, holds a parameter of shape "
-                            f"{tuple(p.shape)} that belongs to none of the models passed to initialize(): at "
-                            f"opt_level {opt_level} its fp32 master weight could not be kept in step with a "
-                            "model. Pass every model whose parameters the optimizer updates."
-                        )
-                    if id(p) in will_be_low and id(p) not in masters:
-                        # From the fp32 values before the cast: masters start exact, not rounded.
-                        masters[id(p)] = nn.Parameter(p.detach().to(torch.float32, copy=True), requires_grad=p.requires_grad)
-
-    # Models: cast, wrap forward, hooks.
+    # Everything is validated before anything changes, so a refused call leaves the
+    # objects as they were; the masters come first, from the weights before the cast.
+    masters = _fp32_masters(model_list, opt_list, props)
     for m in model_list:
-        _cast_model_(m, props)
-        by_name = {name: masters[id(p)] for name, p in m.named_parameters(remove_duplicate=False) if id(p) in masters}
-        m._dispatch_amp = _ModelAmp(props, by_name)
-        input_dtype = props.dtype if props.casts_model else None
-        output_dtype = props.cast_model_outputs or (torch.float32 if props.casts_model else None)
-        autocast_args = (props.device_type, props.dtype) if props.patch_torch_functions else None
-        if input_dtype is not None or output_dtype is not None or autocast_args is not None:
-            m.forward = _Forward(m, m.__dict__.get("forward"), input_dtype, output_dtype, autocast_args)
-        if props.casts_model:
-            m.register_state_dict_post_hook(_state_dict_fp32)
-            m.register_load_state_dict_pre_hook(_load_into_masters)
-
-    # Optimizers: masters into param_groups (state re-keyed), step wrapped.
+        _prepare_model(m, props, masters)
     handle = _Handle(props, num_losses)
     _LATEST.handle = weakref.ref(handle)
     for o in opt_list:
-        pairs = []
-        for group in o.param_groups:
-            new_params = []
-            for p in group["params"]:
-                master = masters.get(id(p))
-                if master is None:
-                    new_params.append(p)
-                    continue
-                pairs.append((p, master))
-                new_params.append(master)
-                if p in o.state:
-                    o.state[master] = {k: v.float() if torch.is_tensor(v) and v.dtype in _LOW else v for k, v in o.state.pop(p).items()}
-            group["params"] = new_params
-        o._dispatch_amp = _OptimizerAmp(handle, pairs)
-        o.step = types.MethodType(_amp_step, o)
+        _prepare_optimizer(o, handle, masters)
 
     if optimizers is None:
-        return model_list if models_is_list else model_list[0]
-    return (model_list if models_is_list else model_list[0]), (opt_list if opts_is_list else opt_list[0])
+        return _as_given(model_list, models_is_list)
+    return _as_given(model_list, models_is_list), _as_given(opt_list, opts_is_list)
 
 
 def _optimizer_amp(optimizer, funcname: str) -> _OptimizerAmp:
@@ -696,6 +763,86 @@ def _optimizer_amp(optimizer, funcname: str) -> _OptimizerAmp:
             "prepared; pass it to amp.initialize(model, optimizer, opt_level=...) first."
         )
     return amp
+
+
+def _prepared_optimizers(optimizers, loss_id) -> tuple[list, list[_OptimizerAmp], _Handle]:
+    """``(optimizers, their _OptimizerAmp, their shared _Handle)``, after checking them and ``loss_id``."""
+    opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    opts = list({id(o): o for o in opts}.values())
+    if not opts:
+        raise ValueError("scale_loss() needs at least one optimizer")
+    amps = [_optimizer_amp(o, "scale_loss") for o in opts]
+    handle = amps[0].handle
+    if any(a.handle is not handle for a in amps):
+        raise ValueError(
+            "scale_loss() got optimizers prepared by different initialize() calls; their losses have "
+            "different scalers. Use one block per initialize() call, or initialize them together."
+        )
+    if not isinstance(loss_id, int) or not 0 <= loss_id < len(handle.scalers):
+        raise ValueError(f"loss_id must be an int in [0, {len(handle.scalers)}) (num_losses={len(handle.scalers)}), got {loss_id!r}")
+    return opts, amps, handle
+
+
+def _refuse_model_grads_on_entry(amps: list[_OptimizerAmp]) -> None:
+    for a in amps:
+        if any(p.grad is not None for p in a.model_params):
+            raise RuntimeError(
+                "scale_loss() found gradients on the low-precision model parameters on entry: a backward "
+                "ran outside amp.scale_loss. At this opt_level every backward must run inside the block, "
+                "which moves the gradients into the fp32 master weights."
+            )
+
+
+def _params_of(opts: list) -> abc.Iterator[torch.Tensor]:
+    for o in opts:
+        yield from master_params(o)
+
+
+def _set_aside_grads(opts: list) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """``id(param) -> (param, the gradient it held on entry)``; those params are left without one."""
+    # Moved, not copied: they are added back after the unscale ("Note: one scaler
+    # iteration per scale_loss"), so each gradient is unscaled only by its own loss's scale.
+    stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for p in _params_of(opts):
+        if p.grad is not None and id(p) not in stash:
+            stash[id(p)] = (p, p.grad)
+            p.grad = None
+    return stash
+
+
+def _restore_entry_grads(opts: list, amps: list[_OptimizerAmp], stash: dict) -> None:
+    # A block that raised leaves the gradients as they were on entry; half-finished ones are dropped.
+    for a in amps:
+        a.drop_model_grads()
+    for p in _params_of(opts):
+        p.grad = None
+    for p, g in stash.values():
+        p.grad = g
+
+
+def _unscale_and_update(scaler: GradScaler, opts: list, amps: list[_OptimizerAmp], loss_scale) -> None:
+    """End the scaler iteration: unscale, update the scale, and record any overflow for the next step."""
+    scaler.unscale_(*opts)
+    flags = [f for o in opts for f in scaler.found_inf_per_device(o).values()]
+    if loss_scale != _DYNAMIC:
+        scaler.update(new_scale=loss_scale)  # static: the flag still skips the step
+    elif flags:
+        scaler.update()
+    else:  # no parameter got a gradient: nothing to judge, keep the scale, end the iteration
+        scaler.update(new_scale=scaler.scale_tensor().clone())
+    if flags:
+        device = flags[0].device
+        found = torch.stack([f.to(device) for f in flags]).sum() if len(flags) > 1 else flags[0]
+        for a in amps:
+            a.found_inf = found if a.found_inf is None else a.found_inf + found
+
+
+def _add_back_grads(stash: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for p, old in stash.values():
+            if p.grad is not None:
+                old.add_(p.grad)
+            p.grad = old
 
 
 @contextlib.contextmanager
@@ -722,72 +869,21 @@ def scale_loss(loss: torch.Tensor, optimizers, loss_id: int = 0):
         torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 1.0)
         optimizer.step()
     """
-    opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
-    opts = list({id(o): o for o in opts}.values())
-    if not opts:
-        raise ValueError("scale_loss() needs at least one optimizer")
-    amps = [_optimizer_amp(o, "scale_loss") for o in opts]
-    handle = amps[0].handle
-    if any(a.handle is not handle for a in amps):
-        raise ValueError(
-            "scale_loss() got optimizers prepared by different initialize() calls; their losses have "
-            "different scalers. Use one block per initialize() call, or initialize them together."
-        )
-    if not isinstance(loss_id, int) or not 0 <= loss_id < len(handle.scalers):
-        raise ValueError(f"loss_id must be an int in [0, {len(handle.scalers)}) (num_losses={len(handle.scalers)}), got {loss_id!r}")
+    opts, amps, handle = _prepared_optimizers(optimizers, loss_id)
     scaler = handle.scalers[loss_id]
-
-    for a in amps:
-        if any(p.grad is not None for p in a.model_params):
-            raise RuntimeError(
-                "scale_loss() found gradients on the low-precision model parameters on entry: a backward "
-                "ran outside amp.scale_loss. At this opt_level every backward must run inside the block, "
-                "which moves the gradients into the fp32 master weights."
-            )
-    # Gradients held on entry are set aside (moved, not copied) and added back after the
-    # unscale ("Note: one scaler iteration per scale_loss").
-    stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for o in opts:
-        for group in o.param_groups:
-            for p in group["params"]:
-                if p.grad is not None and id(p) not in stash:
-                    stash[id(p)] = (p, p.grad)
-                    p.grad = None
+    _refuse_model_grads_on_entry(amps)
+    stash = _set_aside_grads(opts)
     try:
         yield loss if scaler is None else scaler.scale(loss.float())
     except BaseException:
-        # Leave the gradients as they were on entry; half-finished ones are dropped.
-        for a in amps:
-            a.drop_model_grads()
-        for o in opts:
-            for group in o.param_groups:
-                for p in group["params"]:
-                    p.grad = None
-        for p, g in stash.values():
-            p.grad = g
+        _restore_entry_grads(opts, amps, stash)
         raise
 
     for a in amps:
         a.copy_grads_to_masters()
     if scaler is not None:
-        scaler.unscale_(*opts)
-        flags = [f for o in opts for f in scaler.found_inf_per_device(o).values()]
-        if handle.props.loss_scale != _DYNAMIC:
-            scaler.update(new_scale=handle.props.loss_scale)  # static: the flag still skips the step
-        elif flags:
-            scaler.update()
-        else:  # no parameter got a gradient: nothing to judge, keep the scale, end the iteration
-            scaler.update(new_scale=scaler.scale_tensor().clone())
-        if flags:
-            device = flags[0].device
-            found = torch.stack([f.to(device) for f in flags]).sum() if len(flags) > 1 else flags[0]
-            for a in amps:
-                a.found_inf = found if a.found_inf is None else a.found_inf + found
-    with torch.no_grad():
-        for p, old in stash.values():
-            if p.grad is not None:
-                old.add_(p.grad)
-            p.grad = old
+        _unscale_and_update(scaler, opts, amps, handle.props.loss_scale)
+    _add_back_grads(stash)
 
 
 def master_params(optimizer):
