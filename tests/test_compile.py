@@ -1,10 +1,10 @@
-"""torch.compile with dispatch_amp.autocast: what compiles, what falls back, guards.
+"""torch.compile with dispatch_amp.autocast: what compiles, guards, what warns.
 
 Under a built-in policy a compiled model called inside ``amp.autocast`` compiles (with
 ``fullgraph=True`` too) into the same graph as under ``torch.autocast``: outputs and
-gradients bit-identical to the compiled native run. Under a policy of its own it runs
-eagerly with ``CompileFallbackWarning`` and compiles again outside. See "Note:
-torch.compile" in ``_engine.py``.
+gradients bit-identical to the compiled native run. Under a policy of its own our casts
+are traced into the graph: outputs and gradients equal to the same policy run eagerly.
+See "Note: torch.compile" in ``_engine.py``.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import dispatch_amp as amp
 
 KEEP_MM_FP32 = amp.Policy.for_device("cpu").with_ops(fp32=["mm", "linear", "addmm"], name="keep-mm-fp32")
+CUDA_TABLE = amp.Policy.for_device("cuda")
 
 
 @pytest.fixture(autouse=True)
@@ -32,18 +33,23 @@ def fresh_dynamo():
 
 
 class Block(nn.Module):
-    """Matmuls, a float32 op (softmax), a norm, a residual and a loss."""
+    """Matmuls, a float32 op (softmax), a norm, a residual and a loss; with ``mha``, a
+    torch Python composite our function level expands (F.multi_head_attention_forward)."""
 
-    def __init__(self):
+    def __init__(self, mha=False):
         super().__init__()
         self.proj = nn.Linear(16, 32)
         self.norm = nn.LayerNorm(32)
         self.head = nn.Linear(32, 5)
+        self.mha = nn.MultiheadAttention(32, 4, batch_first=True) if mha else None
 
     def forward(self, x, y):
         h = self.norm(F.gelu(self.proj(x)))
         attn = torch.softmax(h @ h.transpose(-1, -2), dim=-1)
-        logits = self.head(attn @ h + h)
+        mixed = attn @ h + h
+        if self.mha is not None:
+            mixed = mixed + self.mha(h[None], h[None], h[None])[0][0]
+        logits = self.head(mixed)
         return logits, F.cross_entropy(logits.float(), y)
 
 
@@ -118,43 +124,143 @@ def test_guards_recompile_or_reuse_the_right_graph():
     with amp.autocast("cpu"):  # ours again: the first graph fits
         assert f(x).dtype == torch.bfloat16
     assert counter.frame_count == 4
-    # A policy of our own is never served a graph made for native's table: it runs
-    # eagerly (and says so), with its own casts.
-    with amp.autocast("cpu", policy=KEEP_MM_FP32), pytest.warns(amp.CompileFallbackWarning):
+    # A policy of our own is never served a graph made for native's table, nor the
+    # reverse: it compiles its own graph, with its own casts (linear kept in float32).
+    with amp.autocast("cpu", policy=KEEP_MM_FP32):
         assert f(x).dtype == torch.float32
+    assert counter.frame_count == 5
     with amp.autocast("cpu"):
         assert f(x).dtype == torch.bfloat16
-    assert counter.frame_count == 4
+    with amp.autocast("cpu", policy=KEEP_MM_FP32):
+        assert f(x).dtype == torch.float32
+    assert counter.frame_count == 5
+    # Another policy of our own (equal rules, another name: the same graph) and one that
+    # lowers linear again under a dtype of its own.
+    with amp.autocast("cpu", policy=CUDA_TABLE, dtype=torch.float16):
+        assert f(x).dtype == torch.float16
+    assert counter.frame_count == 6
 
 
-def test_a_policy_of_our_own_runs_eagerly_then_compiles_outside():
+def _mm_input_dtypes(graph_module):
+    """The dtypes of the inputs of every mm / linear / matmul node Dynamo recorded."""
+    found = []
+    for node in graph_module.graph.nodes:
+        if node.op in ("call_function", "call_method") and getattr(node.target, "__name__", node.target) in (
+            "mm", "linear", "matmul"
+        ):
+            found.append(frozenset(a.meta["example_value"].dtype for a in node.args if hasattr(a, "meta")))
+    return found
+
+
+@pytest.mark.parametrize("fullgraph", [False, True], ids=["graphs", "fullgraph"])
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("policy", ["keep-mm-fp32", "cuda-table"])
+def test_a_policy_of_our_own_compiles_into_the_graph(policy, backend, fullgraph):
+    policy, dtype = {
+        "keep-mm-fp32": (KEEP_MM_FP32, torch.bfloat16),
+        "cuda-table": (CUDA_TABLE, torch.float16),
+    }[policy]
+    torch.manual_seed(0)
+    model = Block(mha=True)
+    x = torch.randn(6, 16)
+    y = torch.randint(0, 5, (6,))
+    with amp.autocast("cpu", dtype=dtype, policy=policy):
+        want_logits, want_loss = model(x, y)
+    want_loss.backward()
+    want_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(model, backend=counter, fullgraph=fullgraph)
+    with amp.autocast("cpu", dtype=dtype, policy=policy):
+        logits, loss = compiled(x, y)
+    loss.backward()
+    assert counter.frame_count == 1 and not torch._dynamo.utils.counters["graph_break"]
+    assert logits.dtype == want_logits.dtype
+    if policy is KEEP_MM_FP32:
+        # The policy's float32 matmuls are float32 in the graph, the others lowered.
+        dtypes = set(_mm_input_dtypes(counter.graphs[0]))
+        assert {frozenset({torch.float32}), frozenset({torch.bfloat16})} <= dtypes
+    grads = [p.grad for p in model.parameters()]
+    if backend == "aot_eager":  # the same aten ops in the same dtypes: the same bits
+        assert torch.equal(logits, want_logits) and torch.equal(loss, want_loss)
+        for g, w in zip(grads, want_grads):
+            assert torch.equal(g, w)
+    else:  # inductor fuses: the policy's low precision's rounding
+        tol = dict(rtol=1e-2, atol=1e-2) if dtype is torch.float16 else dict(rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(logits, want_logits, **tol)
+        for g, w in zip(grads, want_grads):
+            torch.testing.assert_close(g, w, **tol)
+
+
+def test_compiled_under_a_policy_of_our_own_never_poisons():
     lin = nn.Linear(8, 8)
     x = torch.randn(4, 8)
     counter = CompileCounterWithBackend("aot_eager")
     f = torch.compile(lambda t: torch.mm(t, lin.weight.t()).relu(), backend=counter)
-    with amp.autocast("cpu", policy=KEEP_MM_FP32), warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = f(x)
-        f(x)
-    assert [w.category for w in caught] == [amp.CompileFallbackWarning]  # once per function
-    assert "ran eagerly" in str(caught[0].message) and caught[0].filename == __file__
-    assert out.dtype == torch.float32 and counter.frame_count == 0
-    with amp.autocast("cpu", policy=KEEP_MM_FP32, dtype=torch.float16):
-        assert torch.bmm(x[None], x.t()[None]).dtype == torch.float16  # our region is live
-    assert f(x).dtype == torch.float32 and counter.frame_count == 1  # not poisoned
+    with amp.autocast("cpu", policy=KEEP_MM_FP32), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert f(x).dtype == torch.float32
+    assert counter.frame_count == 1
+    assert f(x).dtype == torch.float32 and counter.frame_count == 2  # outside: compiles
     with torch.autocast("cpu"):
         assert f(x).dtype == torch.bfloat16
-    assert counter.frame_count == 2
-    # A compiled module too, named by its forward.
+    assert counter.frame_count == 3
     module = torch.compile(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), backend=counter)
-    with amp.autocast("cpu", policy=KEEP_MM_FP32), pytest.warns(amp.CompileFallbackWarning, match="forward"):
+    with amp.autocast("cpu", policy=KEEP_MM_FP32):
         module(x)
     module(x)
-    assert counter.frame_count == 3
-    strict = torch.compile(lambda t: lin(t), backend="eager", fullgraph=True)
-    with amp.autocast("cpu", policy=KEEP_MM_FP32), pytest.raises(RuntimeError), warnings.catch_warnings():
-        warnings.simplefilter("ignore", amp.CompileFallbackWarning)
-        strict(x)
+    assert counter.frame_count == 5
+
+
+def test_native_region_inside_ours_rules_in_the_graph():
+    # torch.autocast(enabled=False) inside a policy of our own: native rules there, as
+    # eagerly (a Hugging Face float32 island, say), in and out of the compiled function.
+    lin = nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+
+    def f(t):
+        with torch.autocast("cpu", enabled=False):
+            island = lin(t)
+        return island, lin(t)
+
+    policy = CUDA_TABLE
+    with amp.autocast("cpu", policy=policy, dtype=torch.float16):
+        want = f(x)
+        got = torch.compile(f, backend="aot_eager", fullgraph=True)(x)
+    assert [t.dtype for t in got] == [t.dtype for t in want] == [torch.float32, torch.float16]
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_compiled_inference_under_a_policy_of_our_own_warns_where_it_differs():
+    # Eagerly, under no_grad, the aten level casts ops inside C++ composites
+    # (pairwise_distance's norm: float32 under the CUDA table); the compiled graph holds
+    # the calls Dynamo traced, so it cannot, and says so once per policy.
+    a = torch.randn(4, 8, dtype=torch.float16)
+    policy = CUDA_TABLE.with_ops(name="cuda-table-for-this-test")
+    f = torch.compile(lambda t: F.pairwise_distance(t, t + 1), backend="aot_eager")
+    with torch.no_grad(), amp.autocast("cpu", dtype=torch.float16, policy=policy):
+        assert F.pairwise_distance(a, a + 1).dtype == torch.float32
+        with pytest.warns(amp.AmpNumericsWarning, match="no_grad/inference_mode"):
+            assert f(a).dtype == torch.float16
+    # Calls Dynamo traces follow the policy under no_grad too.
+    lin = nn.Linear(8, 8)
+    g = torch.compile(lambda t: torch.softmax(lin(t), -1), backend="aot_eager", fullgraph=True)
+    with torch.no_grad(), amp.autocast("cpu", dtype=torch.float16, policy=policy):
+        assert g(torch.randn(2, 8)).dtype == torch.float32
+
+
+def test_a_compiled_graph_runs_without_our_handler_casting_again():
+    # While a compiled graph runs, torch excludes the Autocast key; our function level
+    # sees the graph's calls (inductor's extern kernels, aot_eager's aten ops) and must
+    # run them as they are: here an addmm the policy would otherwise keep in float32.
+    policy = amp.Policy.for_device("cpu").with_ops(fp32=["addmm"], name="addmm-fp32")
+    lin = nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    with amp.autocast("cpu", policy=policy):
+        want = lin(x)  # linear is lowered whole: bfloat16
+        got = torch.compile(lin, backend="aot_eager", fullgraph=True)(x)
+    assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("form", ["with", "decorator"])
@@ -177,9 +283,35 @@ def test_ours_used_inside_a_compiled_function(form):
 
     want = f(x)
     counter = CompileCounterWithBackend("aot_eager")
-    got = torch.compile(f, backend=counter)(x)
+    with pytest.warns(amp.CompileFallbackWarning, match="inside the torch.compile'd f") as caught:
+        got = torch.compile(f, backend=counter)(x)
+    assert caught[0].filename == __file__  # points at the user's code
     # Entering the region is a graph break Dynamo cannot resume from inside a `with` of a
     # context manager it does not know: the function runs eagerly, with our casts.
     assert torch.equal(got, want) and got.dtype == torch.float32
     if form == "with":
         assert counter.frame_count == 0
+
+
+def test_no_fallback_warning_where_compiling_was_switched_off():
+    # torch.compiler.disable (torch's checkpoint uses it too) means "run this eagerly":
+    # opening our region there is what the user asked for, not a fallback.
+    lin = nn.Linear(8, 8)
+
+    @torch.compiler.disable
+    def eager_part(t):
+        with amp.autocast("cpu"):
+            return lin(t)
+
+    f = torch.compile(lambda t: eager_part(t).float().relu(), backend="aot_eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", amp.CompileFallbackWarning)
+        assert f(torch.randn(4, 8)).dtype == torch.float32
+    # A compiled module that opens the region in its forward is named by its forward.
+    class Opens(nn.Module):
+        def forward(self, t):
+            with amp.autocast("cpu"):
+                return lin(t)
+
+    with pytest.warns(amp.CompileFallbackWarning, match="compile'd forward"):
+        torch.compile(Opens(), backend="aot_eager")(torch.randn(4, 8))

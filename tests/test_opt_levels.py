@@ -568,7 +568,9 @@ def test_module_state_dict_resumes_the_loss_scale_bit_identically():
 
 
 def test_module_load_state_dict_takes_apex_entries_and_checks_before_changing():
-    _apex_style_run(1)
+    # Keep the result alive: the module functions serve the live initialize() result, and
+    # a discarded one is gone whenever the garbage collector runs.
+    model, opt = _apex_style_run(1)
     dispatch_amp.load_state_dict({"loss_scaler0": {"loss_scale": 128.0, "unskipped": 3}})
     sd = dispatch_amp.state_dict()["loss_scaler0"]
     assert sd["scale"] == 128.0 and sd["_growth_tracker"] == 3

@@ -19,6 +19,8 @@ one ``Policy``:
   excludes autocast inside an op it handled). For ops outside the tables it is one dict
   lookup and a call. It is needed only under a policy of our own: under a built-in
   policy native autocast casts those ops (next note), so the level is not installed.
+  It is on torch's dispatch stack only while a call it covers runs (``_call_aside``):
+  a call the function level lets through uncast while grad mode is off.
 
 The function level is installed once per thread by the outermost enabled ``autocast``,
 the aten level by the outermost one whose policy is not built in; both read the
@@ -50,26 +52,46 @@ stand aside, which gives native's rule for any nesting order: the innermost cont
 
 Note: torch.compile
 -------------------
-Dynamo traces a ``TorchFunctionMode`` on the stack by inlining its ``__torch_function__``,
-and refuses to trace at all while a (non-infra) ``TorchDispatchMode`` is on the stack.
+Dynamo traces a ``TorchFunctionMode`` on the stack by inlining its ``__torch_function__``
+(what that code does to tensors becomes graph), and refuses to trace at all while a
+(non-infra) ``TorchDispatchMode`` is on the stack; a frame it skipped for that reason
+stays skipped for the rest of the process. So the aten level is never on the stack
+between calls, only inside a call it covers, and the function level has a tracing path
+(``_trace_call``):
 
-- Under a built-in policy only the function level is installed, so Dynamo traces. While
-  it traces, ``__torch_function__`` calls the op as given: torch's autocast state is ours
+- Under built-in policies it calls the op as given: torch's autocast state is ours
   (previous note), so AOTAutograd records native's casts in the graph, and native's
-  table is the policy. The graph is the one ``torch.autocast`` would give, and Dynamo's
-  guards on torch's autocast state (enabled, dtype) and on the mode stack recompile it,
-  or pick the right cached graph, when either changes. One function level object per
-  thread keeps that guard stable from region to region.
-- Under a policy of our own the aten level is on the stack, and a compiled function runs
-  eagerly, with our casts. Dynamo also marks the codes it skipped as never to be
-  compiled again; an op that finds Dynamo's frame hook armed records them and warns once
-  per function (``CompileFallbackWarning``), and when the outermost region closes they
-  get Dynamo's default strategy back (``_release_compiled_frames``).
+  table is the policy. The graph is the one ``torch.autocast`` would give.
+- Under a policy of our own it casts the arguments with tensor casts that become graph
+  nodes, and runs the call inside ``torch.autocast(device, enabled=False)`` (graph nodes
+  too) so native's table adds nothing: the casts eager dispatch_amp makes. How to cast a
+  call is decided once, at trace time, by reading our thread state
+  (``_trace_plan``, run through Dynamo's ``assume_constant_result``). AOTAutograd traces
+  the backward under the forward's ambient autocast unless told otherwise; under a
+  policy of our own that would apply native's table to the backward, so our region
+  switches that off (``torch._functorch.config.backward_pass_autocast``) while it is
+  open: eagerly, the backward runs outside the region.
+- Guards: Dynamo guards on torch's autocast state (enabled, dtype per device) and on the
+  mode stack; the function level's ``trace_key`` names the policies of our own in force,
+  and Dynamo guards on it because the tracing path reads it. A graph is reused only
+  under the same dtype, enabled state and policies. One function level object per
+  thread keeps the mode-stack guard stable from region to region. Not guarded: a native
+  region with the same dtype and enabled state opened inside ours *outside* the compiled
+  function (torch gives its nesting counter no guard); a graph traced without it is
+  reused inside it.
+- While a compiled graph runs, torch excludes the Autocast dispatch key (the casts are
+  in the graph), but the graph's Python-level calls (aot_eager's aten ops, inductor's
+  extern kernels) still reach our function level: under a policy of our own it runs
+  them as given when it finds the key excluded.
+- Not in the graph: under ``no_grad`` a policy of our own also casts ops that C++
+  composites call inside themselves (the aten level); Dynamo sees only the calls, so
+  compiled inference under such a policy warns once per policy.
 - Entering and leaving a region inside a compiled function are graph breaks
   (``autocast.__enter__``/``__exit__`` are ``torch.compiler.disable``'d: the engine's
   thread state and mode stacks are bookkeeping, not graph, and tracing them gave wrong
   results). Dynamo cannot resume inside a ``with`` of a context manager it does not
-  know, so such a function runs eagerly.
+  know, so such a function runs eagerly; ``autocast`` warns once per compiled function
+  (``CompileFallbackWarning``).
 """
 
 from __future__ import annotations
@@ -96,13 +118,13 @@ from .policy import Policy
 _Tensor = torch.Tensor
 
 # Note: Dynamo and our frames
-# Dynamo stays armed for every frame that runs below a compiled function, and two kinds
-# of our frames run with our dispatch mode off the stack: the aten level's handler (torch
-# pops a mode while it handles an op) and an op cast by the function level (we pop the
-# aten level, see _pop_aten_level). Dynamo would compile those frames, our casting logic
-# included. We disarm its frame hook for those spans (two C calls, what
-# torch._dynamo.disable does) and mark the aten handler's own code as skipped, which
-# replaces torch's heavier default shim around __torch_dispatch__.
+# Dynamo stays armed for every frame that runs eagerly below a compiled function (after a
+# graph break). Frames of ours must not be compiled: every function of this module is
+# marked as skipped (_keep_out_of_dynamo). Frames that run while the aten level is on the
+# dispatch stack must not reach Dynamo either: it would skip them for good (see "Note:
+# torch.compile"). So the function level disarms Dynamo's frame hook around its calls
+# and the aten level around its handler (two C calls, what torch._dynamo.disable does),
+# which also replaces torch's heavier default shim around __torch_dispatch__.
 _set_eval_frame = _torch_compat.set_eval_frame
 _skip_code = _torch_compat.skip_code
 # A partial is called from C: cheaper than a lambda on a path that runs for every cast op.
@@ -117,6 +139,7 @@ _enable_grad = torch.enable_grad
 _inference_mode_on = torch.is_inference_mode_enabled
 _is_view = _torch_compat.tensor_is_view
 _float64 = torch.float64
+_functorch_config = torch._functorch.config
 
 
 @dataclass(frozen=True)
@@ -134,6 +157,8 @@ class DeviceContext:
     custom: bool = field(init=False, repr=False, compare=False)
     # How the engine handles each call under the policy (see _routing.py).
     routes: Routes = field(init=False, repr=False, compare=False)
+    # Native autocast's dispatch key for this device type (None for one torch lacks).
+    autocast_key: object = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         test = _DEVICE_TESTS.get(self.device_type)
@@ -142,6 +167,7 @@ class DeviceContext:
         native = Policy.for_device(device_type)
         object.__setattr__(self, "custom", self.policy is not native and self.policy != native)
         object.__setattr__(self, "routes", routes_for(self.policy))
+        object.__setattr__(self, "autocast_key", _torch_compat.AUTOCAST_KEYS.get(device_type))
 
 
 class _ThreadState(threading.local):
@@ -159,12 +185,14 @@ class _ThreadState(threading.local):
         self.native_devices: tuple[str, ...] = ()
         # depths[-1]: a deeper nesting counter means a native region inside our innermost.
         self.native_depth: int = -1
-        # The installed levels (None: not on their stack) and the frame index that
-        # installed each. The function level is installed by the outermost enabled region;
-        # the aten level only by a region with a policy of its own (see "Note: torch sees
-        # our state as native state": under a built-in policy native autocast casts what
-        # the aten level would). One function level object per thread, pushed again each
-        # time, so torch.compile sees the same mode on the stack from region to region.
+        # The installed levels (None: not installed) and the frame index that installed
+        # each. The function level is installed (on torch's function-mode stack) by the
+        # outermost enabled region. The aten level is installed only by a region with a
+        # policy of its own (see "Note: torch sees our state as native state": under a
+        # built-in policy native autocast casts what the aten level would); it goes on
+        # the dispatch stack only around the calls where it has work (_call_aside). One
+        # function level object per thread, pushed again each time, so torch.compile sees
+        # the same mode on the stack from region to region.
         self.function_level: _FunctionLevel | None = None
         self.function_installer: int = -1
         self.aten_level: _AtenLevel | None = None
@@ -172,15 +200,10 @@ class _ThreadState(threading.local):
         self.function_mode: _FunctionLevel | None = None  # made on first use
         # Weight-cast cache: (id(src), dtype) -> (src, src._version, cast).
         self.cache: dict = {}
-        # >0 while an op cast by the function level runs: the aten level stands aside.
-        self.cast_op_depth: int = 0
         # Python composites currently being expanded (guards against re-dispatch loops).
         self.expanding: set = set()
         # >0 while dispatch_amp.checkpoint runs its function: it recomputes under our state.
         self.own_checkpoint: int = 0
-        # Code objects of torch.compile'd functions Dynamo skipped inside our region (see
-        # "Note: torch.compile"), handed back to Dynamo when the region closes.
-        self.skipped_compiled: set = set()
 
 
 STATE = _ThreadState()
@@ -210,6 +233,8 @@ class NativeState:
     enabled: bool
     dtype: torch.dtype
     cache_enabled: bool
+    # AOTAutograd's autocast for the backward it traces (see "Note: torch.compile").
+    backward_autocast: object
 
     @classmethod
     def read(cls, device_type: str) -> NativeState:
@@ -218,6 +243,7 @@ class NativeState:
             torch.is_autocast_enabled(device_type),
             torch.get_autocast_dtype(device_type),
             torch.is_autocast_cache_enabled(),
+            _functorch_config.backward_pass_autocast,
         )
 
 
@@ -228,6 +254,8 @@ def enter(ctx: DeviceContext) -> NativeState:
     our state as native state"), then the frame is pushed.
     """
     saved = NativeState.read(ctx.device_type)
+    if ctx.enabled and ctx.custom:
+        _functorch_config.backward_pass_autocast = "off"
     _set_native_enabled(ctx.device_type, ctx.enabled)
     torch.set_autocast_dtype(ctx.device_type, ctx.dtype)
     depth = _increment_nesting()
@@ -256,24 +284,23 @@ def _restore_native(saved: NativeState) -> None:
     _set_native_enabled(saved.device_type, saved.enabled)
     torch.set_autocast_dtype(saved.device_type, saved.dtype)
     torch.set_autocast_cache_enabled(saved.cache_enabled)
+    _functorch_config.backward_pass_autocast = saved.backward_autocast
 
 
 def _push_frame(frame: dict[str, DeviceContext], depth: int) -> None:
     st = STATE
+    if st.function_mode is None:
+        st.function_mode = _FunctionLevel()
     st.frames.append(frame)
     st.depths.append(depth)
     _refresh(st)
     index = len(st.frames) - 1
     try:
         if st.function_level is None and st.active:
-            if st.function_mode is None:
-                st.function_mode = _FunctionLevel()
             st.function_mode.__enter__()
             st.function_level, st.function_installer = st.function_mode, index
         if st.aten_level is None and st.native_devices:
-            aten_level = _AtenLevel()
-            aten_level.__enter__()
-            st.aten_level, st.aten_installer = aten_level, index
+            st.aten_level, st.aten_installer = _AtenLevel(), index
     except BaseException:
         _uninstall(st, index)
         st.frames.pop()
@@ -295,21 +322,13 @@ def _pop_frame() -> None:
 
 def _uninstall(st: _ThreadState, index: int) -> None:
     """Takes off the levels that the region at frame ``index`` installed."""
-    aten_level = st.aten_level if st.aten_installer == index else None
-    function_level = st.function_level if st.function_installer == index else None
-    if aten_level is not None:
+    if st.aten_installer == index:
         st.aten_level, st.aten_installer = None, -1
+    function_level = st.function_level if st.function_installer == index else None
     if function_level is not None:
         st.function_level, st.function_installer = None, -1
         st.cache.clear()
-        if st.skipped_compiled:
-            _release_compiled_frames(st)
-    try:
-        if aten_level is not None:
-            aten_level.__exit__(None, None, None)
-    finally:
-        if function_level is not None:
-            function_level.__exit__(None, None, None)
+        function_level.__exit__(None, None, None)
 
 
 def current_frame() -> dict[str, DeviceContext]:
@@ -323,6 +342,8 @@ def _refresh(st: _ThreadState) -> None:
     st.primary = st.active[0] if len(st.active) == 1 else None
     st.native_devices = tuple(ctx.device_type for ctx in st.active if ctx.custom)
     st.native_depth = st.depths[-1] if st.depths else -1
+    if st.function_mode is not None:
+        st.function_mode.trace_key = _trace_key(st.active)
 
 
 def clear_cache() -> None:
@@ -548,11 +569,14 @@ def _clone_without_dispatch_check(func: types.FunctionType) -> types.FunctionTyp
 
 
 class _FunctionLevel(TorchFunctionMode):
+    # What tracing depends on beyond torch's autocast state, which Dynamo guards itself:
+    # the policies of our own in force (see "Note: torch.compile"). Dynamo guards on it
+    # because the tracing path reads it.
+    trace_key: str | None = None
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if _is_compiling():
-            # Dynamo is tracing this call (see "Note: torch.compile"): torch's autocast
-            # state is ours, so the graph gets native's casts, which are ours here.
-            return func(*args, **(kwargs or {}))
+            return _trace_call(self, func, args, kwargs or {})
         kwargs = kwargs or _NO_KWARGS
         st = STATE
         if func.__class__ is _OpOverload and not st.native_devices:
@@ -573,8 +597,13 @@ class _FunctionLevel(TorchFunctionMode):
             kind = ctx.routes.function[func]
         except (KeyError, TypeError):
             kind = ctx.routes.function_route(func)
-        if ctx.custom and not st.own_checkpoint:
-            _refuse_torch_checkpoint(ctx, func, kind)
+        if ctx.custom:
+            if _key_excluded(ctx.autocast_key):
+                # torch has switched autocast off below Python: a compiled graph is
+                # running, its casts already in it (see "Note: torch.compile").
+                return func(*args, **kwargs)
+            if not st.own_checkpoint:
+                _refuse_torch_checkpoint(ctx, func, kind)
         if kind is None:
             # Not cast. Native autocast stays as it is unless the policy is not native's
             # (native_devices), and only then must a native region inside ours be seen here.
@@ -602,28 +631,17 @@ class _FunctionLevel(TorchFunctionMode):
     def _lower(st, ctx, func, args):
         """The common cast (matmuls, convolutions, no kwargs): ``_call_aside``, inlined.
 
-        Same steps (native-region check, native autocast and Dynamo off, the aten level
-        aside, casts, call), written out because on tiny ops every Python call shows
+        Same steps (native-region check, native autocast and Dynamo off, casts, call),
+        written out because on tiny ops every Python call shows
         (``python -m benchmarks --suite dispatch-overhead``, ``mm 8x8``).
         """
         _increment_nesting()
         if _decrement_nesting() > st.native_depth:
             return func(*args)
         dynamo_hook = _disarm_dynamo()
-        if dynamo_hook and st.aten_level is not None:
-            _note_compiled_frame(st)
         devices = st.native_devices
         for device in devices:
             _set_native_enabled(device, False)
-        aten_level = st.aten_level
-        popped = marked = None
-        if aten_level is not None:
-            depth = _len_dispatch_stack()
-            if depth and _dispatch_stack_at(depth - 1) is aten_level:
-                popped = _pop_dispatch_stack(None)
-            else:  # another mode sits above ours: tell the aten level to stand aside
-                marked = True
-                st.cast_op_depth += 1
         try:
             dtype = ctx.dtype
             cast = []
@@ -638,10 +656,6 @@ class _FunctionLevel(TorchFunctionMode):
                 cast.append(a)
             return func(*cast)
         finally:
-            if marked:
-                st.cast_op_depth -= 1
-            elif popped is not None:
-                _push_dispatch_stack(popped)
             for device in devices:
                 _set_native_enabled(device, True)
             _rearm_dynamo(dynamo_hook)
@@ -665,106 +679,195 @@ class _FunctionLevel(TorchFunctionMode):
             st.expanding.discard(func)
 
 
+# -- the function level while Dynamo traces ---------------------------------------------
+# Dynamo inlines __torch_function__ for every call it traces under our mode (see "Note:
+# torch.compile"); what it runs here becomes graph. Under built-in policies nothing is
+# done: torch's autocast state is ours and AOTAutograd records native's casts, which are
+# ours. Under a policy of our own the casts are made here, as tensor casts in the graph,
+# and the call runs inside torch.autocast(enabled=False) for our devices, so native's
+# table adds nothing.
+_TRACE_TOKENS: dict = {}
+
+
+def _trace_key(active: tuple[DeviceContext, ...]) -> str | None:
+    """What tracing depends on besides torch's autocast state: the policies of our own in
+    force, one token per distinct policy (None: built-in policies only)."""
+    parts = [
+        f"{ctx.device_type}:{_TRACE_TOKENS.setdefault(ctx.policy, len(_TRACE_TOKENS))}"
+        for ctx in active
+        if ctx.custom
+    ]
+    return ";".join(parts) if parts else None
+
+
+# How the tracing path handles one call; _trace_plan returns (action, detail, devices).
+_PASS = ("pass", None, ())
+
+
+def _trace_plan(trace_key: str, func, device_type: str | None):
+    """How to trace ``func`` under the contexts in force (run by Dynamo at trace time, its
+    result baked into the graph; ``trace_key`` is what Dynamo guards on)."""
+    st = STATE
+    ctx = st.primary
+    if ctx is None:
+        ctx = next((c for c in st.active if c.device_type == device_type), None)
+    if ctx is None or not ctx.custom or _native_nesting() > st.native_depth:
+        return _PASS
+    kind = ctx.routes.function_route(func)
+    devices = st.native_devices
+    if kind is GETTER:
+        return _PASS
+    if kind is None:
+        if not torch.is_grad_enabled():
+            _warn_inference_trace(ctx)
+        return ("aside", None, devices)
+    if kind is EXPAND:
+        return ("expand", _clone_name(func), devices)
+    if kind.__class__ is not CastKind:
+        return ("decompose", kind, devices)
+    if kind is BANNED:
+        return ("banned", _banned_message(_op_name(func)), devices)
+    return (kind.value, ctx.dtype, devices)
+
+
+_WARNED_INFERENCE_TRACE: set = set()
+
+
+def _warn_inference_trace(ctx: DeviceContext) -> None:
+    """Once per policy: compiled inference cannot apply the aten level's casts."""
+    if ctx.policy in _WARNED_INFERENCE_TRACE:
+        return
+    _WARNED_INFERENCE_TRACE.add(ctx.policy)
+    from .scaler_diagnostics import AmpNumericsWarning
+
+    warnings.warn(
+        f"torch.compile under no_grad/inference_mode with policy {ctx.policy.name!r}: the "
+        f"compiled graph applies the policy to the calls it traces (F.linear, torch.mm, "
+        f"F.layer_norm, ...) but not to the ops that C++ composites such as "
+        f"F.pairwise_distance run inside themselves, which eager dispatch_amp casts with its "
+        f"aten level; such ops may give other dtypes than the same code run eagerly. Under a "
+        f"built-in policy (Policy.for_device) compiled inference matches native exactly.",
+        AmpNumericsWarning,
+        stacklevel=2,
+    )
+
+
+def _trace_call(mode: _FunctionLevel, func, args, kwargs):
+    """The function level's handler while Dynamo traces (its code becomes graph)."""
+    trace_key = mode.trace_key
+    if trace_key is None:
+        return func(*args, **kwargs)
+    first = _first_tensor(args, kwargs)
+    device_type = None if first is None else first.device.type
+    action, detail, devices = _trace_plan_constant(trace_key, func, device_type)
+    if action == "pass":
+        return func(*args, **kwargs)
+    if action == "expand":
+        with mode:
+            return getattr(_TRACED_CLONES, detail)(*args, **kwargs)
+    if action == "decompose":
+        with mode:
+            out = detail(*args, **kwargs)
+        return func(*args, **kwargs) if out is NOT_HANDLED else out
+    if action == "banned":
+        raise RuntimeError(detail)
+    if action != "aside" and not (kwargs and kwargs.get("out") is not None):
+        dtype = _trace_cast_dtype(action, detail, device_type, args, kwargs)
+        if dtype is not None:
+            args = _trace_cast(args, dtype, device_type)
+            kwargs = {k: _trace_cast((v,), dtype, device_type)[0] for k, v in kwargs.items()}
+    return _call_native_off(devices, func, args, kwargs)
+
+
+def _trace_cast_dtype(action, dtype, device_type, args, kwargs):
+    """The dtype a cast kind asks for (cast_arguments' rules), None for none."""
+    if action == "fp32":
+        return _float32
+    if action == "fp32_unless_dtype":
+        if kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in args):
+            return None
+        return _float32
+    if action == "promote":
+        widest = dtype
+        for t in _iter_tensors(args, kwargs):
+            if t.is_floating_point() and t.dtype != _float64 and t.device.type == device_type:
+                widest = torch.promote_types(widest, t.dtype)
+        return widest
+    return dtype  # lower
+
+
+def _trace_cast(args, dtype, device_type):
+    """``_map_tensors`` for tracing: the same rule, no weight-cast cache (the graph
+    casts each weight once per call, as compiled native autocast does)."""
+
+    def cast(t):
+        if (
+            isinstance(t, _Tensor)
+            and t.is_floating_point()
+            and t.dtype != dtype
+            and t.dtype != _float64
+            and t.device.type == device_type
+        ):
+            return t.to(dtype)
+        return t
+
+    return tuple(
+        type(a)(cast(x) for x in a) if isinstance(a, (list, tuple)) else cast(a) for a in args
+    )
+
+
+def _call_native_off(devices, func, args, kwargs):
+    if not devices:
+        return func(*args, **kwargs)
+    with torch.autocast(devices[0], enabled=False):
+        return _call_native_off(devices[1:], func, args, kwargs)
+
+
+_trace_plan_constant = _torch_compat.assume_constant_result(_trace_plan)
+# Clones of expanded composites, by name: Dynamo guards a function it reads as an
+# attribute of a known object, not one handed back by _trace_plan.
+_TRACED_CLONES = types.SimpleNamespace()
+
+
+def _clone_name(func) -> str:
+    clone = _clone_without_dispatch_check(func)
+    name = f"clone_{id(clone)}"
+    setattr(_TRACED_CLONES, name, clone)
+    return name
+
+
+_key_excluded = _torch_compat.dispatch_key_excluded
+
+
 def _call_aside(st: _ThreadState, func, args, kwargs, kind=None, ctx: DeviceContext | None = None):
     """Runs one call the function level lets through, cast per ``kind`` (None: as given).
 
     While it runs, native autocast is off for our devices (it would cast again with its
     own table, see "Note: torch sees our state as native state") and Dynamo's frame hook
-    is disarmed (see "Note: Dynamo and our frames"). The aten level steps off the dispatch
-    stack when it has nothing to do inside: in an op cast here (native excludes autocast
-    inside the ops it handles), and in any op while grad mode records (it acts only where
-    autograd records nothing); there every aten op it saw would cost a Python call and
-    send some C++ composites down slower paths.
+    is disarmed (see "Note: Dynamo and our frames"). The aten level goes on the dispatch
+    stack only for a call not cast here while grad mode is off: it acts only where
+    autograd records nothing, and not inside an op cast here (native excludes autocast
+    inside the ops it handles). Everywhere else it would cost a Python call per aten op,
+    and between calls it would keep torch.compile from tracing (see "Note:
+    torch.compile").
     """
     dynamo_hook = _disarm_dynamo()
-    if dynamo_hook and st.aten_level is not None:  # Dynamo skipped the frame for it
-        _note_compiled_frame(st)
     devices = st.native_devices
     for device in devices:
         _set_native_enabled(device, False)
     aten_level = None
-    marked = False
-    if st.aten_level is not None and (kind is not None or torch.is_grad_enabled()):
-        aten_level = _pop_aten_level(st)
-        # Another mode above ours keeps the aten level on the stack: inside a cast op it
-        # is told to stand aside instead (st.cast_op_depth).
-        marked = aten_level is None and kind is not None
-        if marked:
-            st.cast_op_depth += 1
+    if kind is None and st.aten_level is not None and not torch.is_grad_enabled():
+        aten_level = _push_aten_level(st)
     try:
         if kind is not None:
             args, kwargs = cast_arguments(kind, ctx, args, kwargs, st, func)
         return func(*args, **kwargs)
     finally:
-        if marked:
-            st.cast_op_depth -= 1
-        elif aten_level is not None:
-            _push_dispatch_stack(aten_level)
+        if aten_level is not None:
+            _pop_dispatch_stack(None)
         for device in devices:
             _set_native_enabled(device, True)
         _rearm_dynamo(dynamo_hook)
-
-
-# -- torch.compile'd functions called inside a region --------------------------------
-class CompileFallbackWarning(UserWarning):
-    """A ``torch.compile``'d function ran eagerly because it was called inside
-    ``dispatch_amp.autocast`` with a policy of its own (the numbers are right: our casts
-    ran). Under a built-in policy compiled functions compile.
-
-    Example::
-
-        warnings.simplefilter("error", amp.CompileFallbackWarning)   # make it fatal
-    """
-
-
-_WARNED_COMPILED: set = set()
-_OUR_FILES = __file__.rsplit("/", 1)[0]
-# Frames torch puts between a compiled module's call and its forward.
-_TORCH_WRAPPERS = (
-    _torch_compat.DYNAMO_EVAL_FRAME_FILE.rsplit("/", 1)[0],
-    torch.nn.Module.__call__.__code__.co_filename,
-)
-
-
-def _note_compiled_frame(st: _ThreadState) -> None:
-    """An op ran with Dynamo's hook armed: record the frames of the compiled function."""
-    frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename.startswith(_OUR_FILES):
-        frame = frame.f_back
-    if frame is None or frame.f_code in st.skipped_compiled:
-        return
-    codes = []
-    while frame is not None and frame.f_code.co_filename != _torch_compat.DYNAMO_EVAL_FRAME_FILE:
-        codes.append(frame.f_code)
-        frame = frame.f_back
-    if frame is None:  # no torch.compile wrapper above: Dynamo is armed for another reason
-        return
-    st.skipped_compiled.update(codes)
-    # Name the user's function or module: the outermost frame that is not torch's wrapping.
-    compiled = next((c for c in reversed(codes) if not c.co_filename.startswith(_TORCH_WRAPPERS)), None)
-    if compiled is not None and compiled not in _WARNED_COMPILED:
-        _WARNED_COMPILED.add(compiled)
-        caller = frame.f_back  # where the user called the compiled function or module
-        while caller is not None and caller.f_code.co_filename.startswith(_TORCH_WRAPPERS):
-            caller = caller.f_back
-        warnings.warn_explicit(
-            f"torch.compile'd {compiled.co_name} ({compiled.co_filename}:{compiled.co_firstlineno}) "
-            f"ran eagerly inside dispatch_amp.autocast with a policy of its own: torch.compile "
-            f"does not trace while the aten level (a Python dispatch mode) is active. The "
-            f"results are correct (our casts ran), and the function compiles again when "
-            f"called outside the region. Under a built-in policy (Policy.for_device) the "
-            f"region compiles.",
-            CompileFallbackWarning,
-            caller.f_code.co_filename if caller else compiled.co_filename,
-            caller.f_lineno if caller else compiled.co_firstlineno,
-        )
-
-
-def _release_compiled_frames(st: _ThreadState) -> None:
-    """Lets Dynamo evaluate again the codes it marked as skipped inside our region."""
-    for code in st.skipped_compiled:
-        _torch_compat.set_code_exec_strategy(code, _torch_compat.DEFAULT_EXEC_STRATEGY)
-    st.skipped_compiled.clear()
 
 
 # -- torch.utils.checkpoint under a policy that is not native's -------------------------
@@ -819,13 +922,15 @@ _pop_dispatch_stack = _torch_compat.pop_dispatch_stack
 _push_dispatch_stack = _torch_compat.push_dispatch_stack
 
 
-def _pop_aten_level(st: _ThreadState):
-    """Takes our aten level off the dispatch stack if it is on top; returns it or None."""
+def _push_aten_level(st: _ThreadState):
+    """Puts the aten level on top of the dispatch stack; returns it, or None if it was
+    already there (a call made inside another call it covers)."""
     aten_level = st.aten_level
     depth = _len_dispatch_stack()
     if depth and _dispatch_stack_at(depth - 1) is aten_level:
-        return _pop_dispatch_stack(None)
-    return None
+        return None
+    _push_dispatch_stack(aten_level)
+    return aten_level
 
 
 def _records_autograd(args, kwargs) -> bool:
@@ -864,7 +969,6 @@ class _AtenLevel(TorchDispatchMode):
         if (
             kind is None
             or not ctx.custom  # native autocast casts here under a built-in policy
-            or st.cast_op_depth
             or _records_autograd(args, kwargs)
             or _inside_native_region(st)
         ):

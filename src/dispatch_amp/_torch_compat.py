@@ -9,11 +9,15 @@ What each is for:
 
 - the Python dispatch-mode stack (``_len_torch_dispatch_stack``, ``_get_dispatch_stack_at``,
   ``_pop_torch_dispatch_stack``, ``_push_on_torch_dispatch_stack``): the function level
-  takes the aten level off the stack around a call it has cast (``_engine._call_aside``);
+  puts the aten level on the stack around the calls where it has work
+  (``_engine._call_aside``);
+- ``_dispatch_tls_is_dispatch_key_excluded``: whether torch has switched autocast off
+  below Python for this thread, as it does while a compiled graph runs (its casts are
+  already in the graph), so the function level stands aside there too;
 - Dynamo's frame hook (``set_eval_frame``) and ``skip_code``: our own frames are kept out
   of Dynamo (see "Note: Dynamo and our frames" in ``_engine.py``);
-  ``set_code_exec_strategy`` and ``FrameExecStrategy``: the frames of a compiled function
-  that Dynamo skipped inside our region are handed back to it when the region closes;
+  ``assume_constant_result``: the tracing path asks our thread state how to cast a call
+  once, at trace time (see "Note: torch.compile" in ``_engine.py``);
 - ``_top_saved_tensors_default_hooks`` and ``torch.utils.checkpoint.CheckpointFunction``:
   telling whether torch's checkpoint is running, to refuse it under a custom policy;
 - ``Tensor._is_view``: native's weight-cast cache skips views, and so does ours.
@@ -52,22 +56,28 @@ reentrant_checkpoint_function = _lookup(
     torch.utils.checkpoint, "torch.utils.checkpoint", "CheckpointFunction"
 )
 tensor_is_view = _lookup(torch.Tensor, "torch.Tensor", "_is_view")
+dispatch_key_excluded = _lookup(torch._C, "torch._C", "_dispatch_tls_is_dispatch_key_excluded")
 
 try:
-    from torch._C._dynamo.eval_frame import set_code_exec_strategy, set_eval_frame
+    from torch._C._dynamo.eval_frame import set_eval_frame
+    from torch._dynamo import assume_constant_result
     from torch._dynamo.eval_frame import skip_code
-    from torch._dynamo.types import FrameAction, FrameExecStrategy
 
-    # What Dynamo does with a code object it has not been told anything about.
-    DEFAULT_EXEC_STRATEGY = FrameExecStrategy(FrameAction.DEFAULT, FrameAction.DEFAULT)
     # The file of torch.compile's wrapper around a compiled function.
     DYNAMO_EVAL_FRAME_FILE = torch._dynamo.eval_frame.__file__
 except ImportError:
     _missing.append(
-        "torch._C._dynamo.eval_frame.set_eval_frame / set_code_exec_strategy, "
-        "torch._dynamo.eval_frame.skip_code, torch._dynamo.types.FrameExecStrategy"
+        "torch._C._dynamo.eval_frame.set_eval_frame, torch._dynamo.eval_frame.skip_code, "
+        "torch._dynamo.assume_constant_result"
     )
-    set_eval_frame = skip_code = set_code_exec_strategy = None
+    set_eval_frame = skip_code = assume_constant_result = None
+
+# The dispatch key of native autocast for each device type we know by name.
+AUTOCAST_KEYS = {
+    name.removeprefix("Autocast").lower(): getattr(torch._C.DispatchKey, name)
+    for name in dir(torch._C.DispatchKey)
+    if name.startswith("Autocast") and name != "Autocast"
+}
 
 if _missing:
     raise ImportError(

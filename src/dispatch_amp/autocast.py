@@ -17,17 +17,73 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import threading
 import warnings
 
 import torch
 
-from . import _engine
+from . import _engine, _torch_compat
 from .policy import Policy
 
 __all__ = ["autocast", "is_autocast_enabled", "get_autocast_dtype", "clear_autocast_cache", "CompileFallbackWarning"]
 
-CompileFallbackWarning = _engine.CompileFallbackWarning
+
+class CompileFallbackWarning(UserWarning):
+    """``dispatch_amp.autocast`` was entered inside a ``torch.compile``'d function, where
+    Dynamo cannot trace it: the graph breaks there, and a function that opens the region
+    in a ``with`` block runs eagerly (with our casts, so the numbers are right). Open the
+    region around the compiled call instead; there everything compiles.
+
+    Example::
+
+        warnings.simplefilter("error", amp.CompileFallbackWarning)   # make it fatal
+    """
+
+
+_WARNED_COMPILED: set = set()
+_PACKAGE_DIR = __file__.rsplit("/", 1)[0]
+_MODULE_CALL_FILE = torch.nn.Module.__call__.__code__.co_filename
+
+
+def _warn_if_inside_compiled() -> None:
+    """Warns once per compiled function when a region is entered while it runs."""
+    frame = sys._getframe(1)
+    # Our frames and torch.compiler.disable's wrapper around __enter__ come first.
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(_PACKAGE_DIR)
+        or frame.f_code.co_filename == _torch_compat.DYNAMO_EVAL_FRAME_FILE
+    ):
+        frame = frame.f_back
+    caller, compiled = frame, None
+    for _ in range(64):
+        if frame is None:
+            return
+        code = frame.f_code
+        if code.co_filename == _torch_compat.DYNAMO_EVAL_FRAME_FILE:
+            # torch.compile's wrapper: we run inside a compiled function. Any other
+            # wrapper there is torch.compiler.disable's: compiling was switched off.
+            if code.co_name != "compile_wrapper":
+                return
+            break
+        if code.co_filename != _MODULE_CALL_FILE:  # name a module's forward, not its __call__
+            compiled = code
+        frame = frame.f_back
+    else:
+        return
+    if compiled is None or compiled in _WARNED_COMPILED:
+        return
+    _WARNED_COMPILED.add(compiled)
+    warnings.warn_explicit(
+        f"dispatch_amp.autocast entered inside the torch.compile'd {compiled.co_name} "
+        f"({compiled.co_filename}:{compiled.co_firstlineno}): Dynamo cannot trace entering "
+        f"the region, so the graph breaks there, and a function that opens it in a `with` "
+        f"block runs eagerly. The numbers are right (our casts run). To compile it, open "
+        f"the region around the compiled call: `with amp.autocast(...): compiled(x)`.",
+        CompileFallbackWarning,
+        caller.f_code.co_filename,
+        caller.f_lineno,
+    )
 
 
 class _EnteredRegions(threading.local):
@@ -193,10 +249,11 @@ class autocast:
         )
 
     # Inside a torch.compile'd function, entering and leaving a region are graph breaks:
-    # the engine's bookkeeping (thread state, mode stacks) is not something to trace, and
-    # Dynamo resumes tracing inside the region with our state in force (see README).
+    # the engine's bookkeeping (thread state, mode stacks) is not something to trace (see
+    # "Note: torch.compile" in _engine.py).
     @torch.compiler.disable
     def __enter__(self) -> autocast:
+        _warn_if_inside_compiled()
         saved = _engine.enter(self._context())
         self._open.setdefault(threading.get_ident(), []).append(saved)
         if self.enabled:
