@@ -132,3 +132,21 @@ class EncoderClassifier(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.layer(self.inp(x)).mean(1))
+
+
+class ResidualMLP(nn.Module):
+    """Many small layers (Linear + SiLU + residual): a model whose step time is mostly
+    per-call overhead, where a Python-level autocast pays the most."""
+
+    def __init__(self, width: int = 64, depth: int = 24, classes: int = 10):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + F.silu(layer(x))
+        return self.head(x)
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.forward(x), y)

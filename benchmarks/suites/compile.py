@@ -18,7 +18,6 @@ import time
 
 import torch
 import torch._dynamo
-from torch import nn
 
 import dispatch_amp
 
@@ -31,35 +30,7 @@ COMPILE_TIME_TARGET = 1.2
 CONFIGS = ("native eager", "native compiled", "ours eager", "ours compiled")
 
 
-class ResidualMLP(nn.Module):
-    """Many small layers: a model whose step time is mostly per-op overhead."""
-
-    def __init__(self, width: int = 64, depth: int = 24, classes: int = 10):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
-        self.head = nn.Linear(width, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = x + nn.functional.silu(layer(x))
-        return self.head(x)
-
-    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(self.forward(x), y)
-
-
-def mlp_case(quick: bool):
-    torch.manual_seed(3)
-    depth = 4 if quick else 24
-    x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
-    return f"MLP {depth} x (Linear 64 + SiLU + residual), batch 16", ResidualMLP(depth=depth), (x, y)
-
-
-MODELS = ("mlp", "gpt", "cnn", "lstm")
-
-
-def _case(name: str, quick: bool):
-    return mlp_case(quick) if name == "mlp" else train_step.case(name, quick)
+MODELS = train_step.MODELS
 
 
 def _region(config: str):
@@ -97,7 +68,7 @@ def _compile_seconds(base, batch, config: str, backend: str) -> float:
 
 
 def _time_model(name: str, quick: bool, rounds: int, backend: str) -> dict:
-    desc, base, batch = _case(name, quick)
+    desc, base, batch = train_step.case(name, quick)
     base.train()
     # Each measured twice, in the order A B B A, so neither always compiles first (once
     # each with --quick, a smoke test).

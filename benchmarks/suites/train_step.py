@@ -9,7 +9,9 @@ Peak memory: each (model, configuration) runs in its own process (``run.py --chi
 which resets the Linux high-water mark after setup and one warm-up step, runs three steps
 and reports the peak RSS (``VmHWM``) and the growth over the RSS before the steps.
 
-Targets: time ours/native <= 1.03 per model; peak memory ours/native <= 1.00.
+Models: the overhead-bound MLP (24 small layers: per-call cost dominates), a GPT, a CNN
+and an LSTM tagger. Targets: time ours/native <= 1.03 per model (1.10 for the MLP, where
+a Python-level autocast pays the most); peak memory ours/native <= 1.00.
 """
 
 from __future__ import annotations
@@ -36,12 +38,18 @@ warnings.filterwarnings("ignore", category=dispatch_amp.AmpNumericsWarning)
 
 NAME = "train-step"
 TIME_TARGET = 1.03
+TIME_TARGETS = {"mlp": 1.10}  # per model, where not TIME_TARGET
 MEMORY_TARGET = 1.00
 CONFIGS = ("fp32", "native", "ours", "native+scaler", "ours+scaler")
 
 
 def case(model: str, quick: bool):
-    """(description, module, batch) for "gpt", "cnn" or "lstm"; quick sizes are tiny."""
+    """(description, module, batch) for "mlp", "gpt", "cnn" or "lstm"; quick sizes are tiny."""
+    if model == "mlp":
+        depth = 4 if quick else 24
+        torch.manual_seed(3)
+        x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
+        return f"MLP {depth} x (Linear 64 + SiLU + residual), batch 16", M.ResidualMLP(depth=depth), (x, y)
     if model == "gpt":
         if quick:
             cfg, b, t = M.GPTConfig(vocab=512, d_model=64, n_heads=2, n_blocks=2, max_len=32), 4, 32
@@ -63,7 +71,7 @@ def case(model: str, quick: bool):
     raise ValueError(f"unknown model {model!r}")
 
 
-MODELS = ("gpt", "cnn", "lstm")
+MODELS = ("mlp", "gpt", "cnn", "lstm")
 
 
 def make_step(model, batch, config: str):
@@ -102,12 +110,13 @@ def _time_model(name: str, quick: bool, rounds: int) -> list[dict]:
     s = interleaved(steps, rounds, warmup=2)
     ms = {c: statistics.median(v) * 1e3 for c, v in s.items()}
     rows = []
+    target = TIME_TARGETS.get(name, TIME_TARGET)
     for loop, nat, ours in (("plain", "native", "ours"), ("GradScaler", "native+scaler", "ours+scaler")):
         st = ratio_stats(s[ours], s[nat])
         rows.append({
             "model": desc, "loop": loop, "rounds": rounds,
             "fp32_ms": ms["fp32"] if loop == "plain" else None, "native_ms": ms[nat], "ours_ms": ms[ours],
-            **st, "target": f"<= {TIME_TARGET:.2f}", "met": verdict(st["ratio"], TIME_TARGET),
+            **st, "target": f"<= {target:.2f}", "met": verdict(st["ratio"], target),
         })
     return rows
 

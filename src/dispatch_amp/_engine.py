@@ -131,7 +131,10 @@ _skip_code = _torch_compat.skip_code
 _disarm_dynamo = functools.partial(_set_eval_frame, None)
 _rearm_dynamo = _set_eval_frame
 _float32 = torch.float32
-_is_compiling = torch.compiler.is_compiling
+# True only while Dynamo traces (it folds the call to a constant); one trivial Python call
+# eagerly, where torch.compiler.is_compiling makes two.
+_is_compiling = torch.compiler.is_dynamo_compiling
+_grad_enabled = torch.is_grad_enabled
 # torch hands handlers kwargs=None or {}; calling with **{} costs what calling without
 # costs, so every call site passes kwargs through as this. Never mutated.
 _NO_KWARGS: dict = {}
@@ -414,8 +417,11 @@ def _cast_one(t: _Tensor, dtype: torch.dtype, ctx: DeviceContext, st: _ThreadSta
         hit = st.cache.get(key)
         if hit is not None and hit[0] is t and hit[1] == t._version:
             return hit[2]
-        with _enable_grad():
+        if _grad_enabled():  # the common case: no context manager to pay for
             out = to(t) if to is not None else t.to(dtype)
+        else:
+            with _enable_grad():
+                out = to(t) if to is not None else t.to(dtype)
         st.cache[key] = (t, t._version, out)
         return out
     return to(t) if to is not None else t.to(dtype)
@@ -605,9 +611,10 @@ class _FunctionLevel(TorchFunctionMode):
             if not st.own_checkpoint:
                 _refuse_torch_checkpoint(ctx, func, kind)
         if kind is None:
-            # Not cast. Native autocast stays as it is unless the policy is not native's
-            # (native_devices), and only then must a native region inside ours be seen here.
-            if st.native_devices and _inside_native_region(st):
+            # Not cast. Under built-in policies native autocast stays on and there is
+            # nothing else to do; otherwise native is switched off around the call, unless
+            # a native region inside ours rules.
+            if not st.native_devices or _inside_native_region(st):
                 return func(*args, **kwargs)
             return _call_aside(st, func, args, kwargs)
         if kind is LOWER and not kwargs:
@@ -631,34 +638,34 @@ class _FunctionLevel(TorchFunctionMode):
     def _lower(st, ctx, func, args):
         """The common cast (matmuls, convolutions, no kwargs): ``_call_aside``, inlined.
 
-        Same steps (native-region check, native autocast and Dynamo off, casts, call),
-        written out because on tiny ops every Python call shows
+        Same steps (native-region check, casts, native autocast off around the call under
+        a policy of our own), written out because on tiny ops every Python call shows
         (``python -m benchmarks --suite dispatch-overhead``, ``mm 8x8``).
         """
         _increment_nesting()
         if _decrement_nesting() > st.native_depth:
             return func(*args)
-        dynamo_hook = _disarm_dynamo()
+        dtype = ctx.dtype
+        cast = []
+        for a in args:
+            # _cast_one's first test, inlined: most arguments need no cast at all
+            # (already dtype, or not a tensor), and the rest go through it.
+            if a.__class__ is _Tensor or isinstance(a, _Tensor):
+                if a.dtype is not dtype:
+                    a = _cast_one(a, dtype, ctx, st)
+            elif isinstance(a, (list, tuple)):
+                a = _map_tensors((a,), dtype, ctx, st)[0]
+            cast.append(a)
         devices = st.native_devices
+        if not devices:
+            return func(*cast)
         for device in devices:
             _set_native_enabled(device, False)
         try:
-            dtype = ctx.dtype
-            cast = []
-            for a in args:
-                # _cast_one's first test, inlined: most arguments need no cast at all
-                # (already dtype, or not a tensor), and the rest go through it.
-                if a.__class__ is _Tensor or isinstance(a, _Tensor):
-                    if a.dtype is not dtype:
-                        a = _cast_one(a, dtype, ctx, st)
-                elif isinstance(a, (list, tuple)):
-                    a = _map_tensors((a,), dtype, ctx, st)[0]
-                cast.append(a)
             return func(*cast)
         finally:
             for device in devices:
                 _set_native_enabled(device, True)
-            _rearm_dynamo(dynamo_hook)
 
     def _decompose(self, decomposition, func, args, kwargs):
         with self:
@@ -843,31 +850,32 @@ def _call_aside(st: _ThreadState, func, args, kwargs, kind=None, ctx: DeviceCont
     """Runs one call the function level lets through, cast per ``kind`` (None: as given).
 
     While it runs, native autocast is off for our devices (it would cast again with its
-    own table, see "Note: torch sees our state as native state") and Dynamo's frame hook
-    is disarmed (see "Note: Dynamo and our frames"). The aten level goes on the dispatch
-    stack only for a call not cast here while grad mode is off: it acts only where
-    autograd records nothing, and not inside an op cast here (native excludes autocast
-    inside the ops it handles). Everywhere else it would cost a Python call per aten op,
-    and between calls it would keep torch.compile from tracing (see "Note:
-    torch.compile").
+    own table, see "Note: torch sees our state as native state"). The aten level goes on
+    the dispatch stack only for a call not cast here while grad mode is off: it acts only
+    where autograd records nothing, and not inside an op cast here (native excludes
+    autocast inside the ops it handles). Everywhere else it would cost a Python call per
+    aten op, and between calls it would keep torch.compile from tracing (see "Note:
+    torch.compile"); while it is on the stack Dynamo's frame hook is disarmed (see "Note:
+    Dynamo and our frames").
     """
-    dynamo_hook = _disarm_dynamo()
+    if kind is not None:
+        args, kwargs = cast_arguments(kind, ctx, args, kwargs, st, func)
     devices = st.native_devices
     for device in devices:
         _set_native_enabled(device, False)
-    aten_level = None
-    if kind is None and st.aten_level is not None and not torch.is_grad_enabled():
+    aten_level = dynamo_hook = None
+    if kind is None and st.aten_level is not None and not _grad_enabled():
+        dynamo_hook = _disarm_dynamo()
         aten_level = _push_aten_level(st)
     try:
-        if kind is not None:
-            args, kwargs = cast_arguments(kind, ctx, args, kwargs, st, func)
         return func(*args, **kwargs)
     finally:
         if aten_level is not None:
             _pop_dispatch_stack(None)
+        if dynamo_hook is not None:
+            _rearm_dynamo(dynamo_hook)
         for device in devices:
             _set_native_enabled(device, True)
-        _rearm_dynamo(dynamo_hook)
 
 
 # -- torch.utils.checkpoint under a policy that is not native's -------------------------
