@@ -264,33 +264,66 @@ def test_a_compiled_graph_runs_without_our_handler_casting_again():
 
 
 @pytest.mark.parametrize("form", ["with", "decorator"])
-def test_ours_used_inside_a_compiled_function(form):
+def test_ours_used_inside_a_compiled_function_is_traced(form):
+    # Under a built-in policy a region opened inside the compiled function is native
+    # autocast with the same dtype: traced, one graph, the eager numbers.
     torch.manual_seed(0)
     lin = nn.Linear(8, 8)
     x = torch.randn(4, 8)
     if form == "with":
 
         def f(t):
-            with amp.autocast("cpu"):
+            with amp.autocast("cpu", dtype=torch.float16):
                 h = lin(t).relu()
-            return h.float().sum()
+            return h.float().sum(), h
 
     else:
-        inner = amp.autocast("cpu")(lambda t: lin(t).relu())
+        inner = amp.autocast("cpu", dtype=torch.float16)(lambda t: lin(t).relu())
 
         def f(t):
-            return inner(t).float().sum()
+            h = inner(t)
+            return h.float().sum(), h
 
     want = f(x)
     counter = CompileCounterWithBackend("aot_eager")
-    with pytest.warns(amp.CompileFallbackWarning, match="inside the torch.compile'd f") as caught:
-        got = torch.compile(f, backend=counter)(x)
-    assert caught[0].filename == __file__  # points at the user's code
-    # Entering the region is a graph break Dynamo cannot resume from inside a `with` of a
-    # context manager it does not know: the function runs eagerly, with our casts.
-    assert torch.equal(got, want) and got.dtype == torch.float32
-    if form == "with":
-        assert counter.frame_count == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", amp.CompileFallbackWarning)
+        got = torch.compile(f, backend=counter, fullgraph=True)(x)
+    assert got[1].dtype == want[1].dtype == torch.float16
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert counter.frame_count == 1 and not torch._dynamo.utils.counters["graph_break"]
+    # Outside any region again after the compiled call, inside one again at the next.
+    assert not torch.is_autocast_enabled("cpu") and _engine_is_idle()
+
+
+def _engine_is_idle():
+    from dispatch_amp import _engine
+
+    return _engine.STATE.frames == [] and _engine.STATE.function_level is None
+
+
+def test_ours_inside_a_compiled_function_falls_back_where_it_cannot_be_traced():
+    lin = nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+
+    def own_policy(t):  # the engine's state for a policy of our own is not graph
+        with amp.autocast("cpu", policy=KEEP_MM_FP32):
+            return lin(t).relu() @ lin.weight
+
+    def breaks_inside(t):  # Dynamo cannot resume inside a context manager of ours
+        with amp.autocast("cpu"):
+            h = lin(t)
+            torch._dynamo.graph_break()
+            return lin(h.float())
+
+    for f in (own_policy, breaks_inside):
+        want = f(x)
+        counter = CompileCounterWithBackend("aot_eager")
+        with pytest.warns(amp.CompileFallbackWarning, match=f"compile'd {f.__name__}") as caught:
+            got = torch.compile(f, backend=counter)(x)
+        assert caught[0].filename == __file__  # points at the user's code
+        assert got.dtype == want.dtype and torch.equal(got, want)
+        assert counter.frame_count == 0 and _engine_is_idle()
 
 
 def test_no_fallback_warning_where_compiling_was_switched_off():
@@ -310,7 +343,7 @@ def test_no_fallback_warning_where_compiling_was_switched_off():
     # A compiled module that opens the region in its forward is named by its forward.
     class Opens(nn.Module):
         def forward(self, t):
-            with amp.autocast("cpu"):
+            with amp.autocast("cpu", policy=KEEP_MM_FP32):
                 return lin(t)
 
     with pytest.warns(amp.CompileFallbackWarning, match="compile'd forward"):

@@ -24,6 +24,15 @@ import torch
 import dispatch_amp
 from dispatch_amp import Policy
 
+# Every op in torch's autocast lists is called, deprecated ones included; torch's own
+# warnings about those calls are expected here.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*is deprecated:UserWarning"),
+    pytest.mark.filterwarnings("ignore:.*deprecated in favor of:UserWarning"),
+    pytest.mark.filterwarnings("ignore:An output with one or more elements was resized:UserWarning"),
+    pytest.mark.filterwarnings("ignore:A window was not provided:UserWarning"),
+]
+
 
 def _import_lists():
     import torch.backends

@@ -86,12 +86,13 @@ between calls, only inside a call it covers, and the function level has a tracin
 - Not in the graph: under ``no_grad`` a policy of our own also casts ops that C++
   composites call inside themselves (the aten level); Dynamo sees only the calls, so
   compiled inference under such a policy warns once per policy.
-- Entering and leaving a region inside a compiled function are graph breaks
-  (``autocast.__enter__``/``__exit__`` are ``torch.compiler.disable``'d: the engine's
-  thread state and mode stacks are bookkeeping, not graph, and tracing them gave wrong
-  results). Dynamo cannot resume inside a ``with`` of a context manager it does not
-  know, so such a function runs eagerly; ``autocast`` warns once per compiled function
-  (``CompileFallbackWarning``).
+- A region entered inside a compiled function: under a built-in policy
+  ``autocast.__enter__``/``__exit__`` trace as torch.autocast's own enter and exit (the
+  region is native autocast with the same dtype). Under a policy of our own the engine's
+  thread state and mode stacks are bookkeeping, not graph: entering is a graph break
+  (a ``torch.compiler.disable``'d call), Dynamo cannot resume inside a ``with`` of a
+  context manager it does not know, so the function runs eagerly, and ``autocast``
+  warns once per compiled function (``CompileFallbackWarning``).
 """
 
 from __future__ import annotations
@@ -236,17 +237,18 @@ class NativeState:
     enabled: bool
     dtype: torch.dtype
     cache_enabled: bool
-    # AOTAutograd's autocast for the backward it traces (see "Note: torch.compile").
-    backward_autocast: object
+    # AOTAutograd's autocast for the backward it traces, when the context changed it (a
+    # policy of our own, see "Note: torch.compile"); None otherwise.
+    backward_autocast: object = None
 
     @classmethod
-    def read(cls, device_type: str) -> NativeState:
+    def read(cls, device_type: str, backward_autocast: object = None) -> NativeState:
         return cls(
             device_type,
             torch.is_autocast_enabled(device_type),
             torch.get_autocast_dtype(device_type),
             torch.is_autocast_cache_enabled(),
-            _functorch_config.backward_pass_autocast,
+            backward_autocast,
         )
 
 
@@ -256,9 +258,11 @@ def enter(ctx: DeviceContext) -> NativeState:
     torch's state is set as ``torch.autocast.__enter__`` sets it (see "Note: torch sees
     our state as native state"), then the frame is pushed.
     """
-    saved = NativeState.read(ctx.device_type)
-    if ctx.enabled and ctx.custom:
+    backward_autocast = None
+    if ctx.enabled and ctx.custom:  # a config read and write cost microseconds: only here
+        backward_autocast = _functorch_config.backward_pass_autocast
         _functorch_config.backward_pass_autocast = "off"
+    saved = NativeState.read(ctx.device_type, backward_autocast)
     _set_native_enabled(ctx.device_type, ctx.enabled)
     torch.set_autocast_dtype(ctx.device_type, ctx.dtype)
     depth = _increment_nesting()
@@ -287,7 +291,8 @@ def _restore_native(saved: NativeState) -> None:
     _set_native_enabled(saved.device_type, saved.enabled)
     torch.set_autocast_dtype(saved.device_type, saved.dtype)
     torch.set_autocast_cache_enabled(saved.cache_enabled)
-    _functorch_config.backward_pass_autocast = saved.backward_autocast
+    if saved.backward_autocast is not None:
+        _functorch_config.backward_pass_autocast = saved.backward_autocast
 
 
 def _push_frame(frame: dict[str, DeviceContext], depth: int) -> None:

@@ -22,6 +22,8 @@ import threading
 import warnings
 
 import torch
+from torch.amp.autocast_mode import _enter_autocast as _enter_native
+from torch.amp.autocast_mode import _exit_autocast as _exit_native
 
 from . import _engine, _torch_compat
 from .policy import Policy
@@ -30,10 +32,11 @@ __all__ = ["autocast", "is_autocast_enabled", "get_autocast_dtype", "clear_autoc
 
 
 class CompileFallbackWarning(UserWarning):
-    """``dispatch_amp.autocast`` was entered inside a ``torch.compile``'d function, where
-    Dynamo cannot trace it: the graph breaks there, and a function that opens the region
-    in a ``with`` block runs eagerly (with our casts, so the numbers are right). Open the
-    region around the compiled call instead; there everything compiles.
+    """``dispatch_amp.autocast`` with a policy of its own was entered inside a
+    ``torch.compile``'d function, where Dynamo cannot trace it: the graph breaks there,
+    and a function that opens the region in a ``with`` block runs eagerly (with our
+    casts, so the numbers are right). Open the region around the compiled call instead;
+    there everything compiles. (Under a built-in policy the region is traced.)
 
     Example::
 
@@ -41,15 +44,19 @@ class CompileFallbackWarning(UserWarning):
     """
 
 
+_is_compiling = torch.compiler.is_dynamo_compiling
+_disarm_dynamo = _engine._disarm_dynamo
+_rearm_dynamo = _engine._rearm_dynamo
 _WARNED_COMPILED: set = set()
 _PACKAGE_DIR = __file__.rsplit("/", 1)[0]
 _MODULE_CALL_FILE = torch.nn.Module.__call__.__code__.co_filename
 
 
 def _warn_if_inside_compiled() -> None:
-    """Warns once per compiled function when a region is entered while it runs."""
+    """Warns once per compiled function when a region is entered eagerly while it runs
+    (called only when Dynamo's frame hook is armed)."""
     frame = sys._getframe(1)
-    # Our frames and torch.compiler.disable's wrapper around __enter__ come first.
+    # Our frames (and torch.compiler.disable's wrapper, if any) come first.
     while frame is not None and (
         frame.f_code.co_filename.startswith(_PACKAGE_DIR)
         or frame.f_code.co_filename == _torch_compat.DYNAMO_EVAL_FRAME_FILE
@@ -76,8 +83,9 @@ def _warn_if_inside_compiled() -> None:
     _WARNED_COMPILED.add(compiled)
     warnings.warn_explicit(
         f"dispatch_amp.autocast entered inside the torch.compile'd {compiled.co_name} "
-        f"({compiled.co_filename}:{compiled.co_firstlineno}): Dynamo cannot trace entering "
-        f"the region, so the graph breaks there, and a function that opens it in a `with` "
+        f"({compiled.co_filename}:{compiled.co_firstlineno}) ran eagerly: a region with a "
+        f"policy of its own cannot be traced there (or Dynamo broke the graph inside the "
+        f"region), so the graph breaks, and a function that opens the region in a `with` "
         f"block runs eagerly. The numbers are right (our casts run). To compile it, open "
         f"the region around the compiled call: `with amp.autocast(...): compiled(x)`.",
         CompileFallbackWarning,
@@ -240,29 +248,64 @@ class autocast:
         self.enabled = enabled
         self.cache_enabled = cache_enabled
         self.policy = policy
+        # What the engine opens (frozen: the arguments are checked and never change).
+        self._ctx = _engine.DeviceContext(device_type, enabled, dtype, policy, cache_enabled)
         # thread id -> what each open entry of this object restores on exit (innermost last)
         self._open: dict[int, list[_engine.NativeState]] = {}
+        # Regions entered while Dynamo traced: native autocast's handles, innermost last.
+        self._traced: list = []
 
-    def _context(self) -> _engine.DeviceContext:
-        return _engine.DeviceContext(
-            self.device_type, self.enabled, self.fast_dtype, self.policy, self.cache_enabled
-        )
-
-    # Inside a torch.compile'd function, entering and leaving a region are graph breaks:
-    # the engine's bookkeeping (thread state, mode stacks) is not something to trace (see
-    # "Note: torch.compile" in _engine.py).
-    @torch.compiler.disable
+    # Entering and leaving a region inside a torch.compile'd function: Dynamo inlines
+    # these two (see "Note: torch.compile" in _engine.py). Under a built-in policy the
+    # region is native autocast with the same dtype, so it is traced as torch.autocast's
+    # own enter and exit (graph nodes). Under a policy of our own the engine's bookkeeping
+    # (thread state, mode stacks) cannot be traced: a graph break (_enter_eagerly is
+    # torch.compiler.disable'd), and the code runs eagerly. Eagerly Dynamo's frame hook
+    # is disarmed meanwhile, as the engine does for its own calls.
     def __enter__(self) -> autocast:
-        _warn_if_inside_compiled()
-        saved = _engine.enter(self._context())
+        if _is_compiling():
+            if not self._ctx.custom:
+                self._traced.append(_enter_native(self.device_type, self.fast_dtype, self.enabled, self.cache_enabled))
+                return self
+            return self._enter_eagerly()
+        dynamo_hook = _disarm_dynamo()
+        try:
+            if dynamo_hook is not None:  # eager code of a compiled function
+                _warn_if_inside_compiled()
+            self._enter()
+        finally:
+            _rearm_dynamo(dynamo_hook)
+        return self
+
+    @torch.compiler.disable
+    def _enter_eagerly(self) -> autocast:
+        return self.__enter__()
+
+    def _enter(self) -> None:
+        saved = _engine.enter(self._ctx)
         self._open.setdefault(threading.get_ident(), []).append(saved)
         if self.enabled:
             key = (self.device_type, self.fast_dtype)
             _ENTERED.counts[key] = _ENTERED.counts.get(key, 0) + 1
-        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if _is_compiling():
+            if self._traced:
+                _exit_native(self._traced.pop())
+                return None
+            return self._exit_eagerly(exc_type, exc, tb)
+        dynamo_hook = _disarm_dynamo()
+        try:
+            self._exit()
+        finally:
+            _rearm_dynamo(dynamo_hook)
+        return None
 
     @torch.compiler.disable
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def _exit_eagerly(self, exc_type, exc, tb) -> None:
+        self._exit()
+
+    def _exit(self) -> None:
         thread = threading.get_ident()
         entries = self._open.get(thread)
         if not entries:
@@ -350,3 +393,10 @@ def clear_autocast_cache() -> None:
     """
     torch.clear_autocast_cache()
     _engine.clear_cache()
+
+
+# Dynamo must never compile these as frames of their own (eager code of a compiled
+# function calls them with its frame hook armed); it still inlines them when it traces.
+for _method in (autocast.__enter__, autocast.__exit__, autocast._enter, autocast._exit):
+    _torch_compat.skip_code(_method.__code__)
+del _method
