@@ -2,7 +2,6 @@
 
 import threading
 
-import warnings
 
 import pytest
 import torch

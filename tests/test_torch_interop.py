@@ -13,7 +13,6 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
 from hypothesis import given
 from hypothesis import strategies as st

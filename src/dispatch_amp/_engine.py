@@ -57,7 +57,7 @@ Dynamo traces a ``TorchFunctionMode`` on the stack by inlining its ``__torch_fun
 (non-infra) ``TorchDispatchMode`` is on the stack; a frame it skipped for that reason
 stays skipped for the rest of the process. So the aten level is never on the stack
 between calls, only inside a call it covers, and the function level has a tracing path
-(``_trace_call``):
+(``_tracing_path.py``):
 
 - Under built-in policies it calls the op as given: torch's autocast state is ours
   (previous note), so AOTAutograd records native's casts in the graph, and native's
@@ -66,7 +66,7 @@ between calls, only inside a call it covers, and the function level has a tracin
   nodes, and runs the call inside ``torch.autocast(device, enabled=False)`` (graph nodes
   too) so native's table adds nothing: the casts eager dispatch_amp makes. How to cast a
   call is decided once, at trace time, by reading our thread state
-  (``_trace_plan``, run through Dynamo's ``assume_constant_result``). AOTAutograd traces
+  (``_tracing_path.trace_plan``, run through Dynamo's ``assume_constant_result``). AOTAutograd traces
   the backward under the forward's ambient autocast unless told otherwise; under a
   policy of our own that would apply native's table to the backward, so our region
   switches that off (``torch._functorch.config.backward_pass_autocast``) while it is
@@ -99,11 +99,7 @@ from __future__ import annotations
 
 import functools
 import sys
-import threading
-import types
-import warnings
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch._ops import OpOverload as _OpOverload
@@ -111,9 +107,12 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _torch_compat
+from ._casting import cast_arguments, cast_one, context_for, iter_tensors, map_tensors, op_name
+from ._routing import EXPAND, GETTER, clone_without_dispatch_check, routes_for
+from ._state import STATE, DeviceContext, ThreadState, inside_native_region
+from ._tracing_path import trace_call, trace_key_for
 from .composites import NOT_HANDLED
-from .op_tables import BANNED, FP32, FP32_UNLESS_DTYPE, LOWER, PROMOTE, CastKind
-from ._routing import EXPAND, GETTER, Routes, is_torch_python_function, routes_for
+from .op_tables import LOWER, CastKind
 from .policy import Policy
 
 _Tensor = torch.Tensor
@@ -121,7 +120,7 @@ _Tensor = torch.Tensor
 # Note: Dynamo and our frames
 # Dynamo stays armed for every frame that runs eagerly below a compiled function (after a
 # graph break). Frames of ours must not be compiled: every function of this module is
-# marked as skipped (_keep_out_of_dynamo). Frames that run while the aten level is on the
+# marked as skipped (_torch_compat.keep_out_of_dynamo). Frames that run while the aten level is on the
 # dispatch stack must not reach Dynamo either: it would skip them for good (see "Note:
 # torch.compile"). So the function level disarms Dynamo's frame hook around its calls
 # and the aten level around its handler (two C calls, what torch._dynamo.disable does),
@@ -131,7 +130,6 @@ _skip_code = _torch_compat.skip_code
 # A partial is called from C: cheaper than a lambda on a path that runs for every cast op.
 _disarm_dynamo = functools.partial(_set_eval_frame, None)
 _rearm_dynamo = _set_eval_frame
-_float32 = torch.float32
 # True only while Dynamo traces (it folds the call to a constant); one trivial Python call
 # eagerly, where torch.compiler.is_compiling makes two.
 _is_compiling = torch.compiler.is_dynamo_compiling
@@ -139,93 +137,10 @@ _grad_enabled = torch.is_grad_enabled
 # torch hands handlers kwargs=None or {}; calling with **{} costs what calling without
 # costs, so every call site passes kwargs through as this. Never mutated.
 _NO_KWARGS: dict = {}
-_enable_grad = torch.enable_grad
-_inference_mode_on = torch.is_inference_mode_enabled
-_is_view = _torch_compat.tensor_is_view
-_float64 = torch.float64
 _functorch_config = torch._functorch.config
-
-
-@dataclass(frozen=True)
-class DeviceContext:
-    """What one ``autocast`` says for one device type."""
-
-    device_type: str
-    enabled: bool
-    dtype: torch.dtype
-    policy: Policy
-    cache_enabled: bool
-    # t -> whether t lives on this device type; resolved once, used for every tensor cast.
-    on_device: Callable[[torch.Tensor], bool] = field(init=False, repr=False, compare=False)
-    # Whether the policy is not native autocast's table for this device type.
-    custom: bool = field(init=False, repr=False, compare=False)
-    # How the engine handles each call under the policy (see _routing.py).
-    routes: Routes = field(init=False, repr=False, compare=False)
-    # Native autocast's dispatch key for this device type (None for one torch lacks).
-    autocast_key: object = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self):
-        test = _DEVICE_TESTS.get(self.device_type)
-        device_type = self.device_type
-        object.__setattr__(self, "on_device", test if test is not None else (lambda t: t.device.type == device_type))
-        native = Policy.for_device(device_type)
-        object.__setattr__(self, "custom", self.policy is not native and self.policy != native)
-        object.__setattr__(self, "routes", routes_for(self.policy))
-        object.__setattr__(self, "autocast_key", _torch_compat.AUTOCAST_KEYS.get(device_type))
-
-
-class _ThreadState(threading.local):
-    def __init__(self):
-        # frames[i] maps device type -> DeviceContext; the last frame is in force.
-        self.frames: list[dict[str, DeviceContext]] = []
-        # depths[i]: torch's autocast nesting counter right after frame i was entered.
-        self.depths: list[int] = []
-        # Enabled contexts of the innermost frame; `primary` is set when there is exactly
-        # one (the common case), so the hot path needs no device lookup.
-        self.active: tuple[DeviceContext, ...] = ()
-        self.primary: DeviceContext | None = None
-        # Device types of `active` whose policy is not native's: native autocast is
-        # switched off for them around calls (see "Note: torch sees our state...").
-        self.native_devices: tuple[str, ...] = ()
-        # depths[-1]: a deeper nesting counter means a native region inside our innermost.
-        self.native_depth: int = -1
-        # The installed levels (None: not installed) and the frame index that installed
-        # each. The function level is installed (on torch's function-mode stack) by the
-        # outermost enabled region. The aten level is installed only by a region with a
-        # policy of its own (see "Note: torch sees our state as native state": under a
-        # built-in policy native autocast casts what the aten level would); it goes on
-        # the dispatch stack only around the calls where it has work (_call_aside). One
-        # function level object per thread, pushed again each time, so torch.compile sees
-        # the same mode on the stack from region to region.
-        self.function_level: _FunctionLevel | None = None
-        self.function_installer: int = -1
-        self.aten_level: _AtenLevel | None = None
-        self.aten_installer: int = -1
-        self.function_mode: _FunctionLevel | None = None  # made on first use
-        # Weight-cast cache: (id(src), dtype) -> (src, src._version, cast).
-        self.cache: dict = {}
-        # Python composites currently being expanded (guards against re-dispatch loops).
-        self.expanding: set = set()
-        # >0 while dispatch_amp.checkpoint runs its function: it recomputes under our state.
-        self.own_checkpoint: int = 0
-
-
-STATE = _ThreadState()
-
-
 _increment_nesting = torch.autocast_increment_nesting
 _decrement_nesting = torch.autocast_decrement_nesting
 _set_native_enabled = torch.set_autocast_enabled
-
-
-def _native_nesting() -> int:
-    # torch exposes the nesting counter only through increment/decrement.
-    _increment_nesting()
-    return _decrement_nesting()
-
-
-def _inside_native_region(st: _ThreadState) -> bool:
-    return _native_nesting() > st.native_depth
 
 
 # -- entering and leaving a context -----------------------------------------------------
@@ -328,7 +243,7 @@ def _pop_frame() -> None:
         _refresh(st)
 
 
-def _uninstall(st: _ThreadState, index: int) -> None:
+def _uninstall(st: ThreadState, index: int) -> None:
     """Takes off the levels that the region at frame ``index`` installed."""
     if st.aten_installer == index:
         st.aten_level, st.aten_installer = None, -1
@@ -344,241 +259,21 @@ def current_frame() -> dict[str, DeviceContext]:
     return frames[-1] if frames else {}
 
 
-def _refresh(st: _ThreadState) -> None:
+def _refresh(st: ThreadState) -> None:
     frame = st.frames[-1] if st.frames else {}
     st.active = tuple(ctx for ctx in frame.values() if ctx.enabled)
     st.primary = st.active[0] if len(st.active) == 1 else None
     st.native_devices = tuple(ctx.device_type for ctx in st.active if ctx.custom)
     st.native_depth = st.depths[-1] if st.depths else -1
     if st.function_mode is not None:
-        st.function_mode.trace_key = _trace_key(st.active)
+        st.function_mode.trace_key = trace_key_for(st.active)
 
 
 def clear_cache() -> None:
     STATE.cache.clear()
 
 
-# -- casting ----------------------------------------------------------------------------
-def _first_tensor(args, kwargs):
-    for a in args:
-        if isinstance(a, _Tensor):
-            return a
-        if isinstance(a, (list, tuple)):
-            for b in a:
-                if isinstance(b, _Tensor):
-                    return b
-    if kwargs:
-        for a in kwargs.values():
-            if isinstance(a, _Tensor):
-                return a
-    return None
-
-
-def _context_for(st: _ThreadState, args, kwargs) -> DeviceContext | None:
-    """The context governing an op when several device types have one open."""
-    t = _first_tensor(args, kwargs)
-    if t is None:
-        return None
-    device_type = t.device.type
-    for ctx in st.active:
-        if ctx.device_type == device_type:
-            return ctx
-    return None
-
-
-# Tensor.float()/.half()/.bfloat16() parse their arguments faster than .to(dtype) and
-# record the same cast for autograd.
-_CAST_METHODS = {
-    torch.float32: _Tensor.float,
-    torch.float16: _Tensor.half,
-    torch.bfloat16: _Tensor.bfloat16,
-}
-# The cheap per-device test (t.is_cpu is several times faster than t.device.type).
-_DEVICE_TESTS = {"cpu": _Tensor.is_cpu.__get__, "cuda": _Tensor.is_cuda.__get__}
-
-
-def _cast_one(t: _Tensor, dtype: torch.dtype, ctx: DeviceContext, st: _ThreadState):
-    # Native rule: only floating tensors of the context's device, never float64.
-    t_dtype = t.dtype
-    if t_dtype is dtype or t_dtype is _float64 or not t.is_floating_point() or not ctx.on_device(t):
-        return t
-    to = _CAST_METHODS.get(dtype)
-    # Native caches lower-precision casts of fp32 leaves that require grad (weights), and
-    # makes each such cast with grad mode on, so one cached cast serves no_grad and grad
-    # mode alike and has requires_grad=True in both (matmul's path choice reads it).
-    # Inference tensors have no version counter, and a cast made under inference_mode is
-    # one: neither is cached (native does not reuse those either).
-    if (
-        ctx.cache_enabled
-        and t.requires_grad
-        and t_dtype is _float32
-        and dtype is ctx.dtype
-        and t.is_leaf
-        and not _is_view(t)
-        and not t.is_inference()
-        and not _inference_mode_on()
-    ):
-        key = (id(t), dtype)
-        hit = st.cache.get(key)
-        if hit is not None and hit[0] is t and hit[1] == t._version:
-            return hit[2]
-        if _grad_enabled():  # the common case: no context manager to pay for
-            out = to(t) if to is not None else t.to(dtype)
-        else:
-            with _enable_grad():
-                out = to(t) if to is not None else t.to(dtype)
-        st.cache[key] = (t, t._version, out)
-        return out
-    return to(t) if to is not None else t.to(dtype)
-
-
-def _map_tensors(args, dtype, ctx, st):
-    """Casts the tensors in args, looking one level inside lists and tuples."""
-    out = None
-    for i, a in enumerate(args):
-        if isinstance(a, _Tensor):
-            b = _cast_one(a, dtype, ctx, st)
-        elif isinstance(a, (list, tuple)) and a and any(isinstance(x, _Tensor) for x in a):
-            b = type(a)(_cast_one(x, dtype, ctx, st) if isinstance(x, _Tensor) else x for x in a)
-        else:
-            continue
-        if b is not a:
-            if out is None:
-                out = list(args)
-            out[i] = b
-    return args if out is None else tuple(out)
-
-
-def _iter_tensors(args, kwargs):
-    for a in args:
-        if isinstance(a, _Tensor):
-            yield a
-        elif isinstance(a, (list, tuple)):
-            for b in a:
-                if isinstance(b, _Tensor):
-                    yield b
-    if kwargs:
-        for a in kwargs.values():
-            if isinstance(a, _Tensor):
-                yield a
-            elif isinstance(a, (list, tuple)):
-                for b in a:
-                    if isinstance(b, _Tensor):
-                        yield b
-
-
-def _promote_dtype(ctx: DeviceContext, args, kwargs) -> torch.dtype:
-    """Widest floating dtype among the context-device inputs; float64 is left out."""
-    widest = ctx.dtype
-    for t in _iter_tensors(args, kwargs):
-        d = t.dtype
-        if d is widest or d is _float64 or not t.is_floating_point():
-            continue
-        if t.device.type != ctx.device_type:
-            continue
-        widest = torch.promote_types(widest, d)
-    return widest
-
-
-_BCE_MESSAGE = (
-    "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast: "
-    "their input is usually the output of a sigmoid, and in 16-bit precision the log of "
-    "a value rounded to 0 or 1 overflows. Use torch.nn.functional."
-    "binary_cross_entropy_with_logits or torch.nn.BCEWithLogitsLoss, which fuse the sigmoid "
-    "and are safe to autocast; or run this op with the policy's 'banned' entry removed "
-    "(Policy.without_ops('binary_cross_entropy')) or outside autocast, on float32 inputs."
-)
-
-
-def _banned_message(name: str) -> str:
-    if "binary_cross_entropy" in name:
-        return _BCE_MESSAGE
-    return (
-        f"{name} is banned under this autocast policy; run it outside autocast or derive "
-        f"a policy without it (Policy.without_ops({name!r}))"
-    )
-
-
-def cast_arguments(kind: CastKind, ctx: DeviceContext, args, kwargs, st: _ThreadState, func):
-    """Returns (args, kwargs) cast per ``kind``; raises for banned ops."""
-    if kind is LOWER:
-        dtype = ctx.dtype
-    elif kind is FP32:
-        dtype = _float32
-    elif kind is FP32_UNLESS_DTYPE:
-        # An explicit dtype argument already says how to accumulate: run as given.
-        if (kwargs and kwargs.get("dtype") is not None) or any(
-            isinstance(a, torch.dtype) for a in args
-        ):
-            return args, kwargs
-        dtype = _float32
-    elif kind is PROMOTE:
-        dtype = _promote_dtype(ctx, args, kwargs)
-    elif kind is BANNED:
-        raise RuntimeError(_banned_message(_op_name(func)))
-    else:  # pragma: no cover - a policy's rules hold CastKind members only
-        raise AssertionError(f"not a CastKind member: {kind!r}")
-    args = _map_tensors(args, dtype, ctx, st)
-    if kwargs:
-        values = tuple(kwargs.values())
-        new_values = _map_tensors(values, dtype, ctx, st)
-        if new_values is not values:
-            kwargs = dict(zip(kwargs.keys(), new_values))
-    return args, kwargs
-
-
-def _op_name(func) -> str:
-    return getattr(func, "__name__", None) or str(func)
-
-
 # -- the function level (above autograd) ------------------------------------------------
-def _never(*args, **kwargs) -> bool:
-    return False
-
-
-_CLONES: dict = {}
-_CLONING: set = set()
-
-
-def _clone_without_dispatch_check(func: types.FunctionType) -> types.FunctionType:
-    """A copy of a torch Python composite whose ``has_torch_function*`` checks say False.
-
-    Torch's Python functions start with ``if has_torch_function(...): return
-    handle_torch_function(...)``, which sends them to our mode instead of running their
-    body. The copy shares the code and closure but reads those three names from a
-    private globals dict, so its body runs with our mode active and every call inside it
-    is seen. Nothing in torch is modified.
-    """
-    clone = _CLONES.get(func)
-    if clone is None:
-        scope = dict(func.__globals__)
-        scope["has_torch_function"] = _never
-        scope["has_torch_function_unary"] = _never
-        scope["has_torch_function_variadic"] = _never
-        closure = func.__closure__
-        if closure:
-            # Wrappers such as torch's boolean_dispatch (torch.lu, F.max_pool2d) hold the
-            # real function in their closure; it checks again, so it is cloned too
-            # (except a cell holding a function being cloned: wrappers refer to themselves).
-            _CLONING.add(func)
-            try:
-                closure = tuple(
-                    types.CellType(_clone_without_dispatch_check(cell.cell_contents))
-                    if is_torch_python_function(cell.cell_contents)
-                    and cell.cell_contents not in _CLONING
-                    else cell
-                    for cell in closure
-                )
-            finally:
-                _CLONING.discard(func)
-        clone = types.FunctionType(
-            func.__code__, scope, func.__name__, func.__defaults__, closure
-        )
-        clone.__kwdefaults__ = func.__kwdefaults__
-        _CLONES[func] = clone
-    return clone
-
-
 class _FunctionLevel(TorchFunctionMode):
     # What tracing depends on beyond torch's autocast state, which Dynamo guards itself:
     # the policies of our own in force (see "Note: torch.compile"). Dynamo guards on it
@@ -587,7 +282,7 @@ class _FunctionLevel(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if _is_compiling():
-            return _trace_call(self, func, args, kwargs or {})
+            return trace_call(self, func, args, kwargs or {})
         kwargs = kwargs or _NO_KWARGS
         st = STATE
         if func.__class__ is _OpOverload and not st.native_devices:
@@ -599,9 +294,9 @@ class _FunctionLevel(TorchFunctionMode):
         if ctx is None:
             if not st.active:  # our innermost context is disabled, and so is native autocast
                 return func(*args, **kwargs)
-            ctx = _context_for(st, args, kwargs)
+            ctx = context_for(st, args, kwargs)
             if ctx is None:
-                if _inside_native_region(st):
+                if inside_native_region(st):
                     return func(*args, **kwargs)
                 return _call_aside(st, func, args, kwargs)
         try:  # the routes' memo, read directly: this runs for every torch call
@@ -619,7 +314,7 @@ class _FunctionLevel(TorchFunctionMode):
             # Not cast. Under built-in policies native autocast stays on and there is
             # nothing else to do; otherwise native is switched off around the call, unless
             # a native region inside ours rules.
-            if not st.native_devices or _inside_native_region(st):
+            if not st.native_devices or inside_native_region(st):
                 return func(*args, **kwargs)
             return _call_aside(st, func, args, kwargs)
         if kind is LOWER and not kwargs:
@@ -631,7 +326,7 @@ class _FunctionLevel(TorchFunctionMode):
         if kind.__class__ is not CastKind:  # a decomposition (composites.py)
             return self._decompose(kind, func, args, kwargs)
         # Inside a native torch.autocast region (enabled or not) native rules.
-        if _inside_native_region(st):
+        if inside_native_region(st):
             return func(*args, **kwargs)
         # Python wrappers such as torch.tensordot forward out=None explicitly; a real out=
         # is never cast (native does not cast out= overloads either).
@@ -653,13 +348,13 @@ class _FunctionLevel(TorchFunctionMode):
         dtype = ctx.dtype
         cast = []
         for a in args:
-            # _cast_one's first test, inlined: most arguments need no cast at all
+            # cast_one's first test, inlined: most arguments need no cast at all
             # (already dtype, or not a tensor), and the rest go through it.
             if a.__class__ is _Tensor or isinstance(a, _Tensor):
                 if a.dtype is not dtype:
-                    a = _cast_one(a, dtype, ctx, st)
+                    a = cast_one(a, dtype, ctx, st)
             elif isinstance(a, (list, tuple)):
-                a = _map_tensors((a,), dtype, ctx, st)[0]
+                a = map_tensors((a,), dtype, ctx, st)[0]
             cast.append(a)
         devices = st.native_devices
         if not devices:
@@ -682,7 +377,7 @@ class _FunctionLevel(TorchFunctionMode):
             # The clone's body reached handle_torch_function by another path: run the
             # original as the mode would without expansion, rather than loop.
             return func(*args, **kwargs)
-        clone = _clone_without_dispatch_check(func)
+        clone = clone_without_dispatch_check(func)
         st.expanding.add(func)
         try:
             with self:
@@ -691,167 +386,10 @@ class _FunctionLevel(TorchFunctionMode):
             st.expanding.discard(func)
 
 
-# -- the function level while Dynamo traces ---------------------------------------------
-# Dynamo inlines __torch_function__ for every call it traces under our mode (see "Note:
-# torch.compile"); what it runs here becomes graph. Under built-in policies nothing is
-# done: torch's autocast state is ours and AOTAutograd records native's casts, which are
-# ours. Under a policy of our own the casts are made here, as tensor casts in the graph,
-# and the call runs inside torch.autocast(enabled=False) for our devices, so native's
-# table adds nothing.
-_TRACE_TOKENS: dict = {}
-
-
-def _trace_key(active: tuple[DeviceContext, ...]) -> str | None:
-    """What tracing depends on besides torch's autocast state: the policies of our own in
-    force, one token per distinct policy (None: built-in policies only)."""
-    parts = [
-        f"{ctx.device_type}:{_TRACE_TOKENS.setdefault(ctx.policy, len(_TRACE_TOKENS))}"
-        for ctx in active
-        if ctx.custom
-    ]
-    return ";".join(parts) if parts else None
-
-
-# How the tracing path handles one call; _trace_plan returns (action, detail, devices).
-_PASS = ("pass", None, ())
-
-
-def _trace_plan(trace_key: str, func, device_type: str | None):
-    """How to trace ``func`` under the contexts in force (run by Dynamo at trace time, its
-    result baked into the graph; ``trace_key`` is what Dynamo guards on)."""
-    st = STATE
-    ctx = st.primary
-    if ctx is None:
-        ctx = next((c for c in st.active if c.device_type == device_type), None)
-    if ctx is None or not ctx.custom or _native_nesting() > st.native_depth:
-        return _PASS
-    kind = ctx.routes.function_route(func)
-    devices = st.native_devices
-    if kind is GETTER:
-        return _PASS
-    if kind is None:
-        if not torch.is_grad_enabled():
-            _warn_inference_trace(ctx)
-        return ("aside", None, devices)
-    if kind is EXPAND:
-        return ("expand", _clone_name(func), devices)
-    if kind.__class__ is not CastKind:
-        return ("decompose", kind, devices)
-    if kind is BANNED:
-        return ("banned", _banned_message(_op_name(func)), devices)
-    return (kind.value, ctx.dtype, devices)
-
-
-_WARNED_INFERENCE_TRACE: set = set()
-
-
-def _warn_inference_trace(ctx: DeviceContext) -> None:
-    """Once per policy: compiled inference cannot apply the aten level's casts."""
-    if ctx.policy in _WARNED_INFERENCE_TRACE:
-        return
-    _WARNED_INFERENCE_TRACE.add(ctx.policy)
-    from .scaler_diagnostics import AmpNumericsWarning
-
-    warnings.warn(
-        f"torch.compile under no_grad/inference_mode with policy {ctx.policy.name!r}: the "
-        f"compiled graph applies the policy to the calls it traces (F.linear, torch.mm, "
-        f"F.layer_norm, ...) but not to the ops that C++ composites such as "
-        f"F.pairwise_distance run inside themselves, which eager dispatch_amp casts with its "
-        f"aten level; such ops may give other dtypes than the same code run eagerly. Under a "
-        f"built-in policy (Policy.for_device) compiled inference matches native exactly.",
-        AmpNumericsWarning,
-        stacklevel=2,
-    )
-
-
-def _trace_call(mode: _FunctionLevel, func, args, kwargs):
-    """The function level's handler while Dynamo traces (its code becomes graph)."""
-    trace_key = mode.trace_key
-    if trace_key is None:
-        return func(*args, **kwargs)
-    first = _first_tensor(args, kwargs)
-    device_type = None if first is None else first.device.type
-    action, detail, devices = _trace_plan_constant(trace_key, func, device_type)
-    if action == "pass":
-        return func(*args, **kwargs)
-    if action == "expand":
-        with mode:
-            return getattr(_TRACED_CLONES, detail)(*args, **kwargs)
-    if action == "decompose":
-        with mode:
-            out = detail(*args, **kwargs)
-        return func(*args, **kwargs) if out is NOT_HANDLED else out
-    if action == "banned":
-        raise RuntimeError(detail)
-    if action != "aside" and not (kwargs and kwargs.get("out") is not None):
-        dtype = _trace_cast_dtype(action, detail, device_type, args, kwargs)
-        if dtype is not None:
-            args = _trace_cast(args, dtype, device_type)
-            kwargs = {k: _trace_cast((v,), dtype, device_type)[0] for k, v in kwargs.items()}
-    return _call_native_off(devices, func, args, kwargs)
-
-
-def _trace_cast_dtype(action, dtype, device_type, args, kwargs):
-    """The dtype a cast kind asks for (cast_arguments' rules), None for none."""
-    if action == "fp32":
-        return _float32
-    if action == "fp32_unless_dtype":
-        if kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in args):
-            return None
-        return _float32
-    if action == "promote":
-        widest = dtype
-        for t in _iter_tensors(args, kwargs):
-            if t.is_floating_point() and t.dtype != _float64 and t.device.type == device_type:
-                widest = torch.promote_types(widest, t.dtype)
-        return widest
-    return dtype  # lower
-
-
-def _trace_cast(args, dtype, device_type):
-    """``_map_tensors`` for tracing: the same rule, no weight-cast cache (the graph
-    casts each weight once per call, as compiled native autocast does)."""
-
-    def cast(t):
-        if (
-            isinstance(t, _Tensor)
-            and t.is_floating_point()
-            and t.dtype != dtype
-            and t.dtype != _float64
-            and t.device.type == device_type
-        ):
-            return t.to(dtype)
-        return t
-
-    return tuple(
-        type(a)(cast(x) for x in a) if isinstance(a, (list, tuple)) else cast(a) for a in args
-    )
-
-
-def _call_native_off(devices, func, args, kwargs):
-    if not devices:
-        return func(*args, **kwargs)
-    with torch.autocast(devices[0], enabled=False):
-        return _call_native_off(devices[1:], func, args, kwargs)
-
-
-_trace_plan_constant = _torch_compat.assume_constant_result(_trace_plan)
-# Clones of expanded composites, by name: Dynamo guards a function it reads as an
-# attribute of a known object, not one handed back by _trace_plan.
-_TRACED_CLONES = types.SimpleNamespace()
-
-
-def _clone_name(func) -> str:
-    clone = _clone_without_dispatch_check(func)
-    name = f"clone_{id(clone)}"
-    setattr(_TRACED_CLONES, name, clone)
-    return name
-
-
 _key_excluded = _torch_compat.dispatch_key_excluded
 
 
-def _call_aside(st: _ThreadState, func, args, kwargs, kind=None, ctx: DeviceContext | None = None):
+def _call_aside(st: ThreadState, func, args, kwargs, kind=None, ctx: DeviceContext | None = None):
     """Runs one call the function level lets through, cast per ``kind`` (None: as given).
 
     While it runs, native autocast is off for our devices (it would cast again with its
@@ -908,7 +446,7 @@ def _refuse_torch_checkpoint(ctx: DeviceContext, func, kind) -> None:
         native = routes_for(Policy.for_device(ctx.device_type)).function_route(func)
         raise RuntimeError(
             f"torch.utils.checkpoint inside dispatch_amp.autocast with policy "
-            f"{ctx.policy.name!r}: this policy casts {_op_name(func)} as {kind!r} where "
+            f"{ctx.policy.name!r}: this policy casts {op_name(func)} as {kind!r} where "
             f"native autocast's {ctx.device_type} table says {native!r}, and torch's "
             f"checkpoint recomputes the region during backward under native torch.autocast, "
             f"so the recomputed activations would differ from the forward's. Use "
@@ -935,7 +473,7 @@ _pop_dispatch_stack = _torch_compat.pop_dispatch_stack
 _push_dispatch_stack = _torch_compat.push_dispatch_stack
 
 
-def _push_aten_level(st: _ThreadState):
+def _push_aten_level(st: ThreadState):
     """Puts the aten level on top of the dispatch stack; returns it, or None if it was
     already there (a call made inside another call it covers)."""
     aten_level = st.aten_level
@@ -949,7 +487,7 @@ def _push_aten_level(st: _ThreadState):
 def _records_autograd(args, kwargs) -> bool:
     if not torch.is_grad_enabled():
         return False
-    for t in _iter_tensors(args, kwargs):
+    for t in iter_tensors(args, kwargs):
         if t.requires_grad:
             return True
     return False
@@ -975,7 +513,7 @@ class _AtenLevel(TorchDispatchMode):
         if ctx is None:
             if not st.active:
                 return func(*args, **kwargs)
-            ctx = _context_for(st, args, kwargs)
+            ctx = context_for(st, args, kwargs)
             if ctx is None:
                 return func(*args, **kwargs)
         kind = ctx.routes.aten_kind(func)
@@ -983,28 +521,11 @@ class _AtenLevel(TorchDispatchMode):
             kind is None
             or not ctx.custom  # native autocast casts here under a built-in policy
             or _records_autograd(args, kwargs)
-            or _inside_native_region(st)
+            or inside_native_region(st)
         ):
             return func(*args, **kwargs)
         args, kwargs = cast_arguments(kind, ctx, args, kwargs, st, func)
         return func(*args, **kwargs)
 
 
-def _keep_out_of_dynamo() -> None:
-    """Marks every function of this module as a frame Dynamo never compiles.
-
-    Code after a graph break in a compiled function runs eagerly with Dynamo's frame hook
-    armed, and our handler's frames would be compiled as user frames: specialized for
-    tracing (``_is_compiling``), broken at every C call. Dynamo still inlines the
-    function level's handler when it traces a call under it (see "Note: torch.compile").
-    """
-    for value in list(globals().values()):
-        functions = [value]
-        if isinstance(value, type) and value.__module__ == __name__:
-            functions = [getattr(f, "__func__", f) for f in vars(value).values()]
-        for f in functions:
-            if isinstance(f, types.FunctionType) and f.__module__ == __name__:
-                _skip_code(f.__code__)
-
-
-_keep_out_of_dynamo()
+_torch_compat.keep_out_of_dynamo(globals(), __name__)

@@ -15,11 +15,12 @@ from enum import Enum
 
 from torch._ops import OpOverload, OpOverloadPacket
 
+from . import _torch_compat
 from .composites import DECOMPOSITIONS
 from .op_tables import CastKind
 from .policy import Policy
 
-__all__ = ["Route", "Routes", "routes_for"]
+__all__ = ["Route", "Routes", "routes_for", "clone_without_dispatch_check"]
 
 
 class Route(Enum):
@@ -183,3 +184,54 @@ def routes_for(policy: Policy) -> Routes:
     if routes is None:
         routes = _ROUTES[policy] = Routes(policy)
     return routes
+
+
+# -- running a composite with the function level active ------------------------------
+def _never(*args, **kwargs) -> bool:
+    return False
+
+
+_CLONES: dict = {}
+_CLONING: set = set()
+
+
+def clone_without_dispatch_check(func: types.FunctionType) -> types.FunctionType:
+    """A copy of a torch Python composite whose ``has_torch_function*`` checks say False.
+
+    Torch's Python functions start with ``if has_torch_function(...): return
+    handle_torch_function(...)``, which sends them to our mode instead of running their
+    body. The copy shares the code and closure but reads those three names from a
+    private globals dict, so its body runs with our mode active and every call inside it
+    is seen. Nothing in torch is modified.
+    """
+    clone = _CLONES.get(func)
+    if clone is None:
+        scope = dict(func.__globals__)
+        scope["has_torch_function"] = _never
+        scope["has_torch_function_unary"] = _never
+        scope["has_torch_function_variadic"] = _never
+        closure = func.__closure__
+        if closure:
+            # Wrappers such as torch's boolean_dispatch (torch.lu, F.max_pool2d) hold the
+            # real function in their closure; it checks again, so it is cloned too
+            # (except a cell holding a function being cloned: wrappers refer to themselves).
+            _CLONING.add(func)
+            try:
+                closure = tuple(
+                    types.CellType(clone_without_dispatch_check(cell.cell_contents))
+                    if is_torch_python_function(cell.cell_contents)
+                    and cell.cell_contents not in _CLONING
+                    else cell
+                    for cell in closure
+                )
+            finally:
+                _CLONING.discard(func)
+        clone = types.FunctionType(
+            func.__code__, scope, func.__name__, func.__defaults__, closure
+        )
+        clone.__kwdefaults__ = func.__kwdefaults__
+        _CLONES[func] = clone
+    return clone
+
+
+_torch_compat.keep_out_of_dynamo(globals(), __name__)

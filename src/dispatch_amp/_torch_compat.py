@@ -22,7 +22,7 @@ What each is for:
   telling whether torch's checkpoint is running, to refuse it under a custom policy;
 - ``Tensor._is_view``: native's weight-cast cache skips views, and so does ours.
 
-``_engine._clone_without_dispatch_check`` also relies on torch's Python composites
+``_routing.clone_without_dispatch_check`` also relies on torch's Python composites
 reading ``has_torch_function*`` from their module globals; tests that expand
 ``F.multi_head_attention_forward`` and ``F.interpolate`` cover it.
 """
@@ -85,3 +85,23 @@ if _missing:
         f"have: {', '.join(_missing)}. dispatch_amp is tested with torch {TESTED_TORCH}; "
         f"install that version (pip install 'torch=={TESTED_TORCH}.*')."
     )
+
+
+def keep_out_of_dynamo(namespace: dict, module_name: str) -> None:
+    """Marks every function of a module (and of its classes) as a frame Dynamo never
+    compiles.
+
+    Code after a graph break in a compiled function runs eagerly with Dynamo's frame hook
+    armed, and the engine's frames would be compiled as user frames: specialized for
+    tracing, broken at every C call. Dynamo still inlines them when it traces a call
+    under the function level (see "Note: torch.compile" in ``_engine.py``).
+    """
+    import types
+
+    for value in list(namespace.values()):
+        functions = [value]
+        if isinstance(value, type) and value.__module__ == module_name:
+            functions = [getattr(f, "__func__", f) for f in vars(value).values()]
+        for f in functions:
+            if isinstance(f, types.FunctionType) and f.__module__ == module_name:
+                skip_code(f.__code__)

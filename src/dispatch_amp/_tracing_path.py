@@ -1,0 +1,182 @@
+"""The function level's handler while Dynamo traces: what it does becomes graph.
+
+Dynamo inlines ``__torch_function__`` for every call it traces under our mode (see "Note:
+torch.compile" in ``_engine.py``). Under built-in policies nothing is done: torch's
+autocast state is ours and AOTAutograd records native's casts, which are ours. Under a
+policy of our own the casts are made here, as tensor casts in the graph, and the call
+runs inside ``torch.autocast(enabled=False)`` for our devices, so native's table adds
+nothing.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import _torch_compat
+from ._casting import banned_message, first_tensor, iter_tensors, op_name
+from ._routing import EXPAND, GETTER, clone_without_dispatch_check
+from ._state import STATE, DeviceContext, native_nesting
+from .composites import NOT_HANDLED
+from .op_tables import BANNED, CastKind
+
+if TYPE_CHECKING:
+    from ._engine import _FunctionLevel
+
+_Tensor = torch.Tensor
+_float32 = torch.float32
+_float64 = torch.float64
+_TRACE_TOKENS: dict = {}
+
+
+def trace_key_for(active: tuple[DeviceContext, ...]) -> str | None:
+    """What tracing depends on besides torch's autocast state: the policies of our own in
+    force, one token per distinct policy (None: built-in policies only)."""
+    parts = [
+        f"{ctx.device_type}:{_TRACE_TOKENS.setdefault(ctx.policy, len(_TRACE_TOKENS))}"
+        for ctx in active
+        if ctx.custom
+    ]
+    return ";".join(parts) if parts else None
+
+
+# How the tracing path handles one call; trace_plan returns (action, detail, devices).
+_PASS = ("pass", None, ())
+
+
+def trace_plan(trace_key: str, func, device_type: str | None):
+    """How to trace ``func`` under the contexts in force (run by Dynamo at trace time, its
+    result baked into the graph; ``trace_key`` is what Dynamo guards on)."""
+    st = STATE
+    ctx = st.primary
+    if ctx is None:
+        ctx = next((c for c in st.active if c.device_type == device_type), None)
+    if ctx is None or not ctx.custom or native_nesting() > st.native_depth:
+        return _PASS
+    kind = ctx.routes.function_route(func)
+    devices = st.native_devices
+    if kind is GETTER:
+        return _PASS
+    if kind is None:
+        if not torch.is_grad_enabled():
+            _warn_inference_trace(ctx)
+        return ("aside", None, devices)
+    if kind is EXPAND:
+        return ("expand", _clone_name(func), devices)
+    if kind.__class__ is not CastKind:
+        return ("decompose", kind, devices)
+    if kind is BANNED:
+        return ("banned", banned_message(op_name(func)), devices)
+    return (kind.value, ctx.dtype, devices)
+
+
+_WARNED_INFERENCE_TRACE: set = set()
+
+
+def _warn_inference_trace(ctx: DeviceContext) -> None:
+    """Once per policy: compiled inference cannot apply the aten level's casts."""
+    if ctx.policy in _WARNED_INFERENCE_TRACE:
+        return
+    _WARNED_INFERENCE_TRACE.add(ctx.policy)
+    from .scaler_diagnostics import AmpNumericsWarning
+
+    warnings.warn(
+        f"torch.compile under no_grad/inference_mode with policy {ctx.policy.name!r}: the "
+        f"compiled graph applies the policy to the calls it traces (F.linear, torch.mm, "
+        f"F.layer_norm, ...) but not to the ops that C++ composites such as "
+        f"F.pairwise_distance run inside themselves, which eager dispatch_amp casts with its "
+        f"aten level; such ops may give other dtypes than the same code run eagerly. Under a "
+        f"built-in policy (Policy.for_device) compiled inference matches native exactly.",
+        AmpNumericsWarning,
+        stacklevel=2,
+    )
+
+
+def trace_call(mode: _FunctionLevel, func, args, kwargs):
+    """The function level's handler while Dynamo traces (its code becomes graph)."""
+    trace_key = mode.trace_key
+    if trace_key is None:
+        return func(*args, **kwargs)
+    first = first_tensor(args, kwargs)
+    device_type = None if first is None else first.device.type
+    action, detail, devices = _trace_plan_constant(trace_key, func, device_type)
+    if action == "pass":
+        return func(*args, **kwargs)
+    if action == "expand":
+        with mode:
+            return getattr(_TRACED_CLONES, detail)(*args, **kwargs)
+    if action == "decompose":
+        with mode:
+            out = detail(*args, **kwargs)
+        return func(*args, **kwargs) if out is NOT_HANDLED else out
+    if action == "banned":
+        raise RuntimeError(detail)
+    if action != "aside" and not (kwargs and kwargs.get("out") is not None):
+        dtype = _trace_cast_dtype(action, detail, device_type, args, kwargs)
+        if dtype is not None:
+            args = _trace_cast(args, dtype, device_type)
+            kwargs = {k: _trace_cast((v,), dtype, device_type)[0] for k, v in kwargs.items()}
+    return _call_native_off(devices, func, args, kwargs)
+
+
+def _trace_cast_dtype(action, dtype, device_type, args, kwargs):
+    """The dtype a cast kind asks for (cast_arguments' rules), None for none."""
+    if action == "fp32":
+        return _float32
+    if action == "fp32_unless_dtype":
+        if kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in args):
+            return None
+        return _float32
+    if action == "promote":
+        widest = dtype
+        for t in iter_tensors(args, kwargs):
+            if t.is_floating_point() and t.dtype != _float64 and t.device.type == device_type:
+                widest = torch.promote_types(widest, t.dtype)
+        return widest
+    return dtype  # lower
+
+
+def _trace_cast(args, dtype, device_type):
+    """``map_tensors`` for tracing: the same rule, no weight-cast cache (the graph
+    casts each weight once per call, as compiled native autocast does)."""
+
+    def cast(t):
+        if (
+            isinstance(t, _Tensor)
+            and t.is_floating_point()
+            and t.dtype != dtype
+            and t.dtype != _float64
+            and t.device.type == device_type
+        ):
+            return t.to(dtype)
+        return t
+
+    return tuple(
+        type(a)(cast(x) for x in a) if isinstance(a, (list, tuple)) else cast(a) for a in args
+    )
+
+
+def _call_native_off(devices, func, args, kwargs):
+    if not devices:
+        return func(*args, **kwargs)
+    with torch.autocast(devices[0], enabled=False):
+        return _call_native_off(devices[1:], func, args, kwargs)
+
+
+_trace_plan_constant = _torch_compat.assume_constant_result(trace_plan)
+# Clones of expanded composites, by name: Dynamo guards a function it reads as an
+# attribute of a known object, not one handed back by trace_plan.
+_TRACED_CLONES = types.SimpleNamespace()
+
+
+def _clone_name(func) -> str:
+    clone = clone_without_dispatch_check(func)
+    name = f"clone_{id(clone)}"
+    setattr(_TRACED_CLONES, name, clone)
+    return name
+
+
+_torch_compat.keep_out_of_dynamo(globals(), __name__)
