@@ -8,14 +8,21 @@ Three measurements, each interleaved (A B C, rotating order), medians after warm
    ``TorchFunctionMode`` on top (what any Python-level mode costs); ours. Plus the two
    pieces ours cannot avoid on top of the mode: a cast issued from Python
    (``t.bfloat16()``) and the bf16 mm itself.
-2. **CNN forward** (benchmarks.models.CNN, batch 32, grad mode): native, native + empty
-   ``TorchFunctionMode``, ours: how much of our overhead any Python mode pays.
+2. **Model forwards** (benchmarks.models.CNN, batch 32, and the overhead-bound
+   ResidualMLP, 24 x Linear 64, batch 16; grad mode): native, native + empty
+   ``TorchFunctionMode``, ours: how much of our overhead any Python mode pays, and the
+   cost of the casts ours issues from Python (a weight: a Parameter that requires grad;
+   an activation: a tensor that requires grad), which native makes inside C++.
 3. **Read-only finite check on CPU**, 64 x 512K fp32 gradients: torch's fused
    unscale-and-check op (reads and writes) against read-only torch alternatives, to show
    why the fused-optimizer path keeps the fused op on CPU.
 4. **Small ops right after a backward**: the scaler's per-step device ops (scale update,
    history row, trackers) timed first thing after a CNN backward and again warm; on CPU
    their count, not their work, is what an ``update()`` costs.
+
+5. **Compiled step**: how many calls of a ``torch.compile``'d ResidualMLP step reach our
+   function level while the compiled code runs (AOTAutograd's runtime checks, inductor's
+   extern kernels); each pays the floor of any Python mode (part 1).
 
 Prints Markdown tables; asserts nothing.
 """
@@ -36,7 +43,8 @@ from torch.overrides import TorchFunctionMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 import dispatch_amp as amp  # noqa: E402
-from benchmarks.models import CNN  # noqa: E402
+from benchmarks.models import CNN, ResidualMLP  # noqa: E402
+from dispatch_amp import _engine  # noqa: E402
 
 
 class EmptyMode(TorchFunctionMode):
@@ -97,11 +105,7 @@ def per_op(quick: bool) -> str:
     return markdown("per op: torch.mm 8x8 under bf16 autocast (us per call)", ["what", "us"], [[k, f"{v:.2f}"] for k, v in got.items()])
 
 
-def cnn_forward(quick: bool) -> str:
-    torch.manual_seed(0)
-    model = CNN()
-    x, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
-
+def _forward(title: str, model, x, y, quick: bool) -> str:
     def forward_in(ctx):  # a fresh context per forward, as in training
         def body():
             with ctx():
@@ -114,7 +118,62 @@ def cnn_forward(quick: bool) -> str:
     got = interleaved_us(fns, 1, 15 if quick else 90)
     base = got["native"]
     rows = [[k, f"{v / 1e3:.3f}", f"{(v - base) / 1e3:+.3f}"] for k, v in got.items()]
-    return markdown("CNN forward + loss, grad mode, batch 32 (ms)", ["context", "ms", "minus native"], rows)
+    return markdown(f"{title} forward + loss, grad mode (ms)", ["context", "ms", "minus native"], rows)
+
+
+def cnn_forward(quick: bool) -> str:
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
+    return _forward("CNN, batch 32", CNN(), x, y, quick)
+
+
+def mlp_forward(quick: bool) -> str:
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
+    return _forward("ResidualMLP 24 x Linear 64, batch 16 (75 torch calls)", ResidualMLP(), x, y, quick)
+
+
+def python_casts(quick: bool) -> str:
+    """What one cast costs when issued from Python, by what is cast."""
+    layer = torch.nn.Linear(64, 64)
+    act = torch.randn(16, 64, requires_grad=True) * 1  # a non-leaf activation
+    plain = torch.randn(16, 64)
+    fns = {
+        "weight (Parameter, requires grad).bfloat16()": repeated(lambda: layer.weight.bfloat16()),
+        "activation (requires grad).bfloat16()": repeated(lambda: act.bfloat16()),
+        "plain tensor.bfloat16()": repeated(lambda: plain.bfloat16()),
+    }
+    got = interleaved_us(fns, 2000 if quick else 20000, 3 if quick else 9)
+    return markdown("one cast issued from Python (us per call)", ["cast", "us"], [[k, f"{v:.2f}"] for k, v in got.items()])
+
+
+def compiled_calls(quick: bool) -> str:
+    """Calls of a compiled ResidualMLP step that reach our function level at run time."""
+    import torch._dynamo
+
+    torch.manual_seed(0)
+    model = ResidualMLP(depth=4 if quick else 24)
+    x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
+    loss = torch.compile(model.loss, backend="aot_eager" if quick else "inductor")
+    with amp.autocast("cpu", dtype=torch.bfloat16):
+        loss(x, y)  # compile
+    seen: dict[str, int] = {}
+    handler = _engine._FunctionLevel.__torch_function__
+
+    def counting(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        seen[name] = seen.get(name, 0) + 1
+        return handler(self, func, types, args, kwargs)
+
+    _engine._FunctionLevel.__torch_function__ = counting
+    try:
+        with amp.autocast("cpu", dtype=torch.bfloat16):
+            loss(x, y)
+    finally:
+        _engine._FunctionLevel.__torch_function__ = handler
+        torch._dynamo.reset()
+    rows = [[k, str(v)] for k, v in sorted(seen.items(), key=lambda kv: -kv[1])] + [["total", str(sum(seen.values()))]]
+    return markdown("calls of one compiled ResidualMLP forward that reach our function level", ["call", "count"], rows)
 
 
 def readonly_check(quick: bool) -> str:
@@ -178,7 +237,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes and few rounds (a smoke test)")
     args = parser.parse_args(argv)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
-    for part in (per_op, cnn_forward, readonly_check, cold_small_ops):
+    for part in (per_op, cnn_forward, mlp_forward, python_casts, readonly_check, cold_small_ops, compiled_calls):
         print(part(args.quick), end="\n\n", flush=True)
     return 0
 
