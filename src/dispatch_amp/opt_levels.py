@@ -76,7 +76,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import numbers
 import types
 import weakref
 from collections import abc
@@ -87,6 +86,7 @@ from torch import nn
 
 from .autocast import autocast, device_dtypes
 from .grad_scaler import GradScaler
+from .scaler_config import is_real
 
 __all__ = ["OptLevelProperties", "initialize", "scale_loss", "master_params", "loss_scalers", "state_dict", "load_state_dict"]
 
@@ -109,10 +109,6 @@ _LEVEL_HELP = (
     "'O0' (fp32 baseline), 'O1' (autocast around the forward), "
     "'O2' (low-precision model, fp32 master weights), 'O3' (everything low precision)"
 )
-
-
-def _is_real(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 # ----------------------------------------------------------------------------------------
@@ -222,7 +218,7 @@ def _resolve_loss_scale(opt_level: str, loss_scale, min_loss_scale, max_loss_sca
     """``(loss_scale, max_loss_scale)``: a static scale as a float, or ``"dynamic"`` with Apex's ceiling by default."""
     scale = _level_default(opt_level, "loss_scale", loss_scale)
     if scale != _DYNAMIC:
-        if not _is_real(scale) or not (math.isfinite(scale) and scale > 0):
+        if not is_real(scale) or not (math.isfinite(scale) and scale > 0):
             raise ValueError(f"loss_scale must be 'dynamic' or a finite float > 0, got {scale!r}")
         scale = float(scale)
         if min_loss_scale is not None or max_loss_scale is not None:
