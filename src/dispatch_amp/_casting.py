@@ -102,15 +102,9 @@ def map_tensors(args, dtype, ctx, st):
 
 
 def iter_tensors(args, kwargs):
-    for a in args:
-        if isinstance(a, _Tensor):
-            yield a
-        elif isinstance(a, (list, tuple)):
-            for b in a:
-                if isinstance(b, _Tensor):
-                    yield b
-    if kwargs:
-        for a in kwargs.values():
+    """The tensors among the arguments, looking one level inside lists and tuples."""
+    for group in (args, kwargs.values()) if kwargs else (args,):
+        for a in group:
             if isinstance(a, _Tensor):
                 yield a
             elif isinstance(a, (list, tuple)):
