@@ -134,8 +134,8 @@ def test_guards_recompile_or_reuse_the_right_graph():
     with amp.autocast("cpu", policy=KEEP_MM_FP32):
         assert f(x).dtype == torch.float32
     assert counter.frame_count == 5
-    # Another policy of our own (equal rules, another name: the same graph) and one that
-    # lowers linear again under a dtype of its own.
+    # Another policy of our own (the CUDA table, linear lowered again) under float16: a
+    # graph of its own.
     with amp.autocast("cpu", policy=CUDA_TABLE, dtype=torch.float16):
         assert f(x).dtype == torch.float16
     assert counter.frame_count == 6
