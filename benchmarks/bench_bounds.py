@@ -20,7 +20,11 @@ Three measurements, each interleaved (A B C, rotating order), medians after warm
    history row, trackers) timed first thing after a CNN backward and again warm; on CPU
    their count, not their work, is what an ``update()`` costs.
 
-5. **Compiled step**: how many calls of a ``torch.compile``'d ResidualMLP step reach our
+5. **The mode floor by kind of call**: a C function (``torch.mm``), a torch Python
+   wrapper (``F.silu``) and a module (``BatchNorm2d``), with and without an empty
+   ``TorchFunctionMode``: Python wrappers reach a mode through torch's Python
+   ``handle_torch_function`` and then run again, so they pay more.
+6. **Compiled step**: how many calls of a ``torch.compile``'d ResidualMLP step reach our
    function level while the compiled code runs (AOTAutograd's runtime checks, inductor's
    extern kernels); each pays the floor of any Python mode (part 1).
 
@@ -133,6 +137,27 @@ def mlp_forward(quick: bool) -> str:
     return _forward("ResidualMLP 24 x Linear 64, batch 16 (75 torch calls)", ResidualMLP(), x, y, quick)
 
 
+def mode_floor(quick: bool) -> str:
+    """What an empty TorchFunctionMode adds per call, by kind of call."""
+    x, w = torch.randn(16, 64), torch.randn(64, 64)
+    bn, image = torch.nn.BatchNorm2d(8), torch.randn(4, 8, 8, 8)
+    calls = {
+        "torch.mm (a C function)": lambda: torch.mm(x, w),
+        "F.silu (a Python wrapper)": lambda: torch.nn.functional.silu(x),
+        "BatchNorm2d, training (a module)": lambda: bn(image),
+    }
+    fns = {}
+    for name, body in calls.items():
+        fns[(name, "without")] = repeated(body)
+        fns[(name, "with")] = repeated(body, EmptyMode)
+    got = interleaved_us(fns, 300 if quick else 3000, 3 if quick else 9)
+    rows = [
+        [name, f"{got[(name, 'without')]:.2f}", f"{got[(name, 'with')]:.2f}", f"{got[(name, 'with')] - got[(name, 'without')]:+.2f}"]
+        for name in calls
+    ]
+    return markdown("an empty TorchFunctionMode, per call (us)", ["call", "without", "with", "added"], rows)
+
+
 def python_casts(quick: bool) -> str:
     """What one cast costs when issued from Python, by what is cast."""
     layer = torch.nn.Linear(64, 64)
@@ -237,7 +262,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes and few rounds (a smoke test)")
     args = parser.parse_args(argv)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
-    for part in (per_op, cnn_forward, mlp_forward, python_casts, readonly_check, cold_small_ops, compiled_calls):
+    for part in (per_op, cnn_forward, mlp_forward, mode_floor, python_casts, readonly_check, cold_small_ops, compiled_calls):
         print(part(args.quick), end="\n\n", flush=True)
     return 0
 
