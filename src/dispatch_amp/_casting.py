@@ -113,17 +113,36 @@ def iter_tensors(args, kwargs):
                         yield b
 
 
-def promote_dtype(ctx: DeviceContext, args, kwargs) -> torch.dtype:
-    """Widest floating dtype among the context-device inputs; float64 is left out."""
-    widest = ctx.dtype
+def promote_dtype(low: torch.dtype, device_type: str, args, kwargs) -> torch.dtype:
+    """Widest floating dtype among ``low`` and the inputs on ``device_type``; float64 is
+    left out."""
+    widest = low
     for t in iter_tensors(args, kwargs):
         d = t.dtype
         if d is widest or d is _float64 or not t.is_floating_point():
             continue
-        if t.device.type != ctx.device_type:
+        if t.device.type != device_type:
             continue
         widest = torch.promote_types(widest, d)
     return widest
+
+
+def target_dtype(kind: CastKind, low: torch.dtype, device_type: str, args, kwargs) -> torch.dtype | None:
+    """The dtype ``kind`` casts a call's floating inputs to (None: run as given), with
+    ``low`` the region's lower precision. Eager casting and the tracing path both ask
+    this; BANNED is the caller's to refuse."""
+    if kind is LOWER:
+        return low
+    if kind is FP32:
+        return _float32
+    if kind is FP32_UNLESS_DTYPE:
+        # An explicit dtype argument already says how to accumulate: run as given.
+        if (kwargs and kwargs.get("dtype") is not None) or any(isinstance(a, torch.dtype) for a in args):
+            return None
+        return _float32
+    if kind is PROMOTE:
+        return promote_dtype(low, device_type, args, kwargs)
+    raise AssertionError(f"not a casting CastKind member: {kind!r}")  # pragma: no cover
 
 
 _BCE_MESSAGE = (
@@ -147,23 +166,11 @@ def banned_message(name: str) -> str:
 
 def cast_arguments(kind: CastKind, ctx: DeviceContext, args, kwargs, st: ThreadState, func):
     """Returns (args, kwargs) cast per ``kind``; raises for banned ops."""
-    if kind is LOWER:
-        dtype = ctx.dtype
-    elif kind is FP32:
-        dtype = _float32
-    elif kind is FP32_UNLESS_DTYPE:
-        # An explicit dtype argument already says how to accumulate: run as given.
-        if (kwargs and kwargs.get("dtype") is not None) or any(
-            isinstance(a, torch.dtype) for a in args
-        ):
-            return args, kwargs
-        dtype = _float32
-    elif kind is PROMOTE:
-        dtype = promote_dtype(ctx, args, kwargs)
-    elif kind is BANNED:
+    if kind is BANNED:
         raise RuntimeError(banned_message(op_name(func)))
-    else:  # pragma: no cover - a policy's rules hold CastKind members only
-        raise AssertionError(f"not a CastKind member: {kind!r}")
+    dtype = target_dtype(kind, ctx.dtype, ctx.device_type, args, kwargs)
+    if dtype is None:
+        return args, kwargs
     args = map_tensors(args, dtype, ctx, st)
     if kwargs:
         values = tuple(kwargs.values())

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import _torch_compat
-from ._casting import banned_message, first_tensor, iter_tensors, op_name
+from ._casting import banned_message, first_tensor, op_name, target_dtype
 from ._routing import EXPAND, GETTER, clone_without_dispatch_check
 from ._state import STATE, DeviceContext, native_nesting
 from .composites import NOT_HANDLED
@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from ._engine import _FunctionLevel
 
 _Tensor = torch.Tensor
-_float32 = torch.float32
 _float64 = torch.float64
 _TRACE_TOKENS: dict = {}
 
@@ -43,7 +42,11 @@ def trace_key_for(active: tuple[DeviceContext, ...]) -> str | None:
     return ";".join(parts) if parts else None
 
 
-# How the tracing path handles one call; trace_plan returns (action, detail, devices).
+# How the tracing path handles one call; trace_plan returns (action, detail, devices), where
+# a "cast" action's detail is (the CastKind's value, the region's lower precision): Dynamo
+# takes strings and dtypes back from assume_constant_result, and reads the member from
+# _KINDS, where it can guard it.
+_KINDS = {kind.value: kind for kind in CastKind}
 _PASS = ("pass", None, ())
 
 
@@ -70,7 +73,7 @@ def trace_plan(trace_key: str, func, device_type: str | None):
         return ("decompose", kind, devices)
     if kind is BANNED:
         return ("banned", banned_message(op_name(func)), devices)
-    return (kind.value, ctx.dtype, devices)
+    return ("cast", (kind.value, ctx.dtype), devices)
 
 
 _WARNED_INFERENCE_TRACE: set = set()
@@ -114,29 +117,12 @@ def trace_call(mode: _FunctionLevel, func, args, kwargs):
         return func(*args, **kwargs) if out is NOT_HANDLED else out
     if action == "banned":
         raise RuntimeError(detail)
-    if action != "aside" and not (kwargs and kwargs.get("out") is not None):
-        dtype = _trace_cast_dtype(action, detail, device_type, args, kwargs)
+    if action == "cast" and not (kwargs and kwargs.get("out") is not None):
+        dtype = target_dtype(_KINDS[detail[0]], detail[1], device_type, args, kwargs)
         if dtype is not None:
             args = _trace_cast(args, dtype, device_type)
             kwargs = {k: _trace_cast((v,), dtype, device_type)[0] for k, v in kwargs.items()}
     return _call_native_off(devices, func, args, kwargs)
-
-
-def _trace_cast_dtype(action, dtype, device_type, args, kwargs):
-    """The dtype a cast kind asks for (cast_arguments' rules), None for none."""
-    if action == "fp32":
-        return _float32
-    if action == "fp32_unless_dtype":
-        if kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in args):
-            return None
-        return _float32
-    if action == "promote":
-        widest = dtype
-        for t in iter_tensors(args, kwargs):
-            if t.is_floating_point() and t.dtype != _float64 and t.device.type == device_type:
-                widest = torch.promote_types(widest, t.dtype)
-        return widest
-    return dtype  # lower
 
 
 def _trace_cast(args, dtype, device_type):
