@@ -97,7 +97,6 @@ between calls, only inside a call it covers, and the function level has a tracin
 
 from __future__ import annotations
 
-import functools
 import sys
 from dataclasses import dataclass
 
@@ -119,17 +118,15 @@ _Tensor = torch.Tensor
 
 # Note: Dynamo and our frames
 # Dynamo stays armed for every frame that runs eagerly below a compiled function (after a
-# graph break). Frames of ours must not be compiled: every function of this module is
-# marked as skipped (_torch_compat.keep_out_of_dynamo). Frames that run while the aten level is on the
-# dispatch stack must not reach Dynamo either: it would skip them for good (see "Note:
-# torch.compile"). So the function level disarms Dynamo's frame hook around its calls
-# and the aten level around its handler (two C calls, what torch._dynamo.disable does),
-# which also replaces torch's heavier default shim around __torch_dispatch__.
-_set_eval_frame = _torch_compat.set_eval_frame
-_skip_code = _torch_compat.skip_code
-# A partial is called from C: cheaper than a lambda on a path that runs for every cast op.
-_disarm_dynamo = functools.partial(_set_eval_frame, None)
-_rearm_dynamo = _set_eval_frame
+# graph break). Frames of ours must not be compiled: every function of the engine's
+# modules is marked as skipped (_torch_compat.keep_out_of_dynamo). Frames that run while
+# the aten level is on the dispatch stack must not reach Dynamo either: it would skip
+# them for good (see "Note: torch.compile"). So the function level disarms Dynamo's frame
+# hook around the calls it puts the aten level under, and the aten level around its
+# handler (two C calls, what torch._dynamo.disable does), which also replaces torch's
+# heavier default shim around __torch_dispatch__.
+_disarm_dynamo = _torch_compat.disarm_dynamo
+_rearm_dynamo = _torch_compat.rearm_dynamo
 # True only while Dynamo traces (it folds the call to a constant); one trivial Python call
 # eagerly, where torch.compiler.is_compiling makes two.
 _is_compiling = torch.compiler.is_dynamo_compiling

@@ -29,6 +29,9 @@ reading ``has_torch_function*`` from their module globals; tests that expand
 
 from __future__ import annotations
 
+import functools
+import types
+
 import torch
 import torch.utils.checkpoint
 
@@ -72,6 +75,13 @@ except ImportError:
     )
     set_eval_frame = skip_code = assume_constant_result = None
 
+# Dynamo's frame hook off and back on around code of ours (two C calls, what
+# torch._dynamo.disable does; see "Note: Dynamo and our frames" in _engine.py):
+# ``hook = disarm_dynamo()`` ... ``rearm_dynamo(hook)``. A partial is called from C:
+# cheaper than a lambda on a path that runs for every call it covers.
+disarm_dynamo = functools.partial(set_eval_frame, None) if set_eval_frame is not None else None
+rearm_dynamo = set_eval_frame
+
 # The dispatch key of native autocast for each device type we know by name.
 AUTOCAST_KEYS = {
     name.removeprefix("Autocast").lower(): getattr(torch._C.DispatchKey, name)
@@ -96,8 +106,6 @@ def keep_out_of_dynamo(namespace: dict, module_name: str) -> None:
     tracing, broken at every C call. Dynamo still inlines them when it traces a call
     under the function level (see "Note: torch.compile" in ``_engine.py``).
     """
-    import types
-
     for value in list(namespace.values()):
         functions = [value]
         if isinstance(value, type) and value.__module__ == module_name:

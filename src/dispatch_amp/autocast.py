@@ -45,8 +45,8 @@ class CompileFallbackWarning(UserWarning):
 
 
 _is_compiling = torch.compiler.is_dynamo_compiling
-_disarm_dynamo = _engine._disarm_dynamo
-_rearm_dynamo = _engine._rearm_dynamo
+_disarm_dynamo = _torch_compat.disarm_dynamo
+_rearm_dynamo = _torch_compat.rearm_dynamo
 _WARNED_COMPILED: set = set()
 _PACKAGE_DIR = __file__.rsplit("/", 1)[0]
 _MODULE_CALL_FILE = torch.nn.Module.__call__.__code__.co_filename
