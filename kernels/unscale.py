@@ -148,13 +148,18 @@ if triton is not None:
         IS_BF16: tl.constexpr,  # base points at raw bf16 words (uint16)
     ):
         n_full = numel // BLOCK
-        # Full tiles: no mask, so loads and stores vectorize.
-        for j in range(a, tl.minimum(b, n_full)):
+        # Full tiles: no mask, so loads and stores vectorize. (While loops here and in the
+        # kernel below: Triton 3.6's interpreter hands scalars over as 1-element arrays,
+        # which range() cannot take under NumPy 2.4.)
+        j = a
+        end = tl.minimum(b, n_full)
+        while j < end:
             ptrs = base + (j * BLOCK + offs)
             x = _load_f32(ptrs, None, IS_BF16, False)
             bad = bad | _nonfinite(x)
             if STORE:
                 _store_f32(ptrs, x * inv, None, IS_BF16, False)
+            j += 1
         # The ragged last tile, if this program owns it.
         if b > n_full:
             o = n_full * BLOCK + offs
@@ -192,11 +197,13 @@ if triton is not None:
         # Largest i with first_tile[i] <= t0; invariant first[lo] <= t0 < first[hi].
         lo = tl.zeros((), dtype=tl.int64)
         hi = tl.zeros((), dtype=tl.int64) + n_tensors
-        for _ in range(search_steps):
+        step = 0
+        while step < search_steps:
             mid = (lo + hi) // 2
             right = tl.load(first_col + mid) <= t0
             lo = tl.where(right, mid, lo)
             hi = tl.where(right, hi, mid)
+            step += 1
 
         if STORE:
             inv = tl.load(inv_scale_ptr).to(tl.float32)
