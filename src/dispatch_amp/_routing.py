@@ -168,22 +168,34 @@ class Routes:
         return self.rules.get(func.overloadpacket._qualified_op_name)
 
 
-# Policies are values (equal rules, equal hash): equal policies share their routes.
-_ROUTES: dict[Policy, Routes] = {}
+# Policies are values: equal policies (equal rule keys) share their routes.
+_ROUTES: dict[str, Routes] = {}
 
 
 def routes_for(policy: Policy) -> Routes:
     """The (shared, memoized) routes of ``policy``.
+
+    Kept on the policy after the first call: an ``autocast`` built inside a function
+    torch.compile traces reads an attribute, and hashes nothing.
 
     Example::
 
         >>> routes_for(Policy.for_device("cpu")) is routes_for(Policy.for_device("cpu"))
         True
     """
-    routes = _ROUTES.get(policy)
+    routes = policy._routes
     if routes is None:
-        routes = _ROUTES[policy] = Routes(policy)
+        routes = _ROUTES.get(policy._key)
+        if routes is None:
+            routes = _ROUTES[policy._key] = Routes(policy)
+        policy._routes = routes
     return routes
+
+
+# The built-in policies' routes exist before any region is opened, traced ones included.
+for _device_type in ("cpu", "cuda"):
+    routes_for(Policy.for_device(_device_type))
+del _device_type
 
 
 # -- running a composite with the function level active ------------------------------

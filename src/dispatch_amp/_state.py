@@ -49,7 +49,7 @@ class DeviceContext:
         device_type = self.device_type
         object.__setattr__(self, "on_device", test if test is not None else (lambda t: t.device.type == device_type))
         native = Policy.for_device(device_type)
-        object.__setattr__(self, "custom", self.policy is not native and self.policy != native)
+        object.__setattr__(self, "custom", self.policy is not native and self.policy._key != native._key)
         object.__setattr__(self, "routes", routes_for(self.policy))
         object.__setattr__(self, "autocast_key", _torch_compat.AUTOCAST_KEYS.get(device_type))
 

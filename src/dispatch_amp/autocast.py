@@ -22,8 +22,6 @@ import threading
 import warnings
 
 import torch
-from torch.amp.autocast_mode import _enter_autocast as _enter_native
-from torch.amp.autocast_mode import _exit_autocast as _exit_native
 
 from . import _engine, _torch_compat
 from .policy import Policy
@@ -252,7 +250,7 @@ class autocast:
         self._ctx = _engine.DeviceContext(device_type, enabled, dtype, policy, cache_enabled)
         # thread id -> what each open entry of this object restores on exit (innermost last)
         self._open: dict[int, list[_engine.NativeState]] = {}
-        # Regions entered while Dynamo traced: native autocast's handles, innermost last.
+        # Regions entered while Dynamo traced: native regions held open, innermost last.
         self._traced: list = []
 
     # Entering and leaving a region inside a torch.compile'd function: Dynamo inlines
@@ -265,7 +263,9 @@ class autocast:
     def __enter__(self) -> autocast:
         if _is_compiling():
             if not self._ctx.custom:
-                self._traced.append(_enter_native(self.device_type, self.fast_dtype, self.enabled, self.cache_enabled))
+                region = _native_region(self.device_type, self.fast_dtype, self.enabled, self.cache_enabled)
+                next(region)
+                self._traced.append(region)
                 return self
             return self._enter_eagerly()
         dynamo_hook = _disarm_dynamo()
@@ -291,7 +291,7 @@ class autocast:
     def __exit__(self, exc_type, exc, tb) -> None:
         if _is_compiling():
             if self._traced:
-                _exit_native(self._traced.pop())
+                next(self._traced.pop(), None)  # leaves the native region
                 return None
             return self._exit_eagerly(exc_type, exc, tb)
         dynamo_hook = _disarm_dynamo()
@@ -348,6 +348,18 @@ class autocast:
             f"autocast({self.device_type!r}, dtype={self.fast_dtype}, enabled={self.enabled}, "
             f"cache_enabled={self.cache_enabled}, policy={self.policy.name!r})"
         )
+
+
+def _native_region(device_type, dtype, enabled, cache_enabled):
+    """torch.autocast held open across our __enter__ and __exit__ while Dynamo traces.
+
+    A with-block inside a generator is the form every supported torch's Dynamo turns
+    into its own enter and exit graph nodes: calling ``torch.autocast``'s ``__enter__``
+    by hand is an unsupported call, and before torch 2.13 a direct call of torch's
+    ``_enter_autocast`` leaves the trace with autocast state it refuses.
+    """
+    with torch.autocast(device_type, dtype, enabled, cache_enabled):
+        yield
 
 
 def is_autocast_enabled(device_type: str = "cuda") -> bool:
