@@ -5,8 +5,10 @@
 autocast handles. For each entry this file holds an explicit call in ``CALLS`` that
 reaches it (a small function building tiny inputs), or a reason in ``UNREACHABLE_ON_CPU``.
 
-- Coverage: every registered entry has a call or a reason; a torch version that
-  registers new ops fails here with the list of unmapped names.
+- Coverage: every entry the installed torch registers has a call or a reason; a torch
+  version that registers new ops fails here with the list of unmapped names. Entries
+  that differ between the supported versions and builds are listed in ``BY_VERSION``
+  and ``CUDA_BUILDS_ONLY``, and checked against the installed torch.
 - AutocastCPU: under ``dispatch_amp.autocast("cpu")`` (bfloat16) the call gives the same
   dtypes and bits as under native ``torch.autocast("cpu")``.
 - AutocastCUDA: under ``dispatch_amp.autocast("cpu", dtype=torch.float16,
@@ -74,6 +76,9 @@ class Inputs:
 
     def grid(self, *shape):  # sampling grid in [-1, 1]
         return (torch.rand(*shape, generator=self.gen) * 2 - 1).to(self.low)
+
+    def named(self, t, *names):  # a named tensor (the Dimname overloads)
+        return t.refine_names(*names)
 
 
 def call(fn, *args, **kwargs):
@@ -309,6 +314,18 @@ CALLS = {
     "aten::linalg_svdvals": lambda g: call(torch.linalg.svdvals, g.l(4, 3)),
     "aten::linalg_tensorinv": lambda g: call(torch.linalg.tensorinv, g.spd(4).reshape(4, 2, 2), ind=1),
     "aten::linalg_tensorsolve": lambda g: call(torch.linalg.tensorsolve, g.spd(4).reshape(2, 2, 4), g.l(2, 2)),
+    "aten::linalg_matrix_sqrth": lambda g: call(torch.linalg.matrix_sqrth, g.spd(4)),
+    # the named-tensor overloads (registered before torch 2.13)
+    "aten::index_copy.dimname": lambda g: call(
+        torch.index_copy, g.named(g.f(4, 3), "N", "C"), "N", torch.tensor([0, 2]),
+        g.named(g.l(2, 3), "N", "C")),
+    "aten::prod.dim_Dimname": lambda g: call(torch.prod, g.named(g.l(3, 4), "N", "C"), "C"),
+    "aten::sum.dim_DimnameList": lambda g: call(torch.sum, g.named(g.l(3, 4), "N", "C"), ["C"]),
+    "aten::cumprod.dimname": lambda g: call(torch.cumprod, g.named(g.l(3, 4), "N", "C"), "C"),
+    "aten::cumsum.dimname": lambda g: call(torch.cumsum, g.named(g.l(3, 4), "N", "C"), "C"),
+    "aten::softmax.Dimname": lambda g: call(torch.softmax, g.named(g.l(3, 4), "N", "C"), "C"),
+    "aten::log_softmax.Dimname": lambda g: call(torch.log_softmax, g.named(g.l(3, 4), "N", "C"), "C"),
+    "aten::norm.names_ScalarOpt_dim": lambda g: call(torch._VF.norm, g.named(g.l(3, 4), "N", "C"), 3, ["C"]),
     # losses (low-precision inputs)
     "aten::binary_cross_entropy": lambda g: call(F.binary_cross_entropy, g.u(4, 4), g.u(4, 4)),
     "aten::binary_cross_entropy_with_logits": lambda g: call(F.binary_cross_entropy_with_logits, g.l(4, 4), g.u(4, 4)),
@@ -372,16 +389,24 @@ UNREACHABLE_ON_CPU = {
         "CUDA-only fused kernel (not exposed as torch.*; CPU GRU cells use linear + pointwise)",
         lambda: torch.ops.aten._thnn_fused_gru_cell(
             torch.randn(2, 12), torch.randn(2, 12), torch.randn(2, 4))),
+    "aten::_cudnn_rnn": (
+        "needs cuDNN: registered by CUDA builds only; nn.LSTM/GRU reach it through lstm/gru, "
+        "which both policies cast whole",
+        lambda: torch.ops.aten._cudnn_rnn(
+            torch.randn(3, 2, 4), [torch.randn(16, 4), torch.randn(16, 4)], 2, None,
+            torch.randn(1, 2, 4), torch.randn(1, 2, 4), 2, 4, 0, 1, False, 0.0, False, False,
+            [], None)),
     "aten::_scaled_dot_product_flash_attention": (
         "CUDA flash-attention kernel; the CPU backend is _scaled_dot_product_flash_attention_for_cpu",
         lambda: torch._scaled_dot_product_flash_attention(
             torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8))),
 }
 
-# What native CUDA autocast does with each AutocastCUDA entry (autocast_mode.cpp,
-# torch 2.13). fp32 includes its fp32_set_opt_dtype / fp32_append_dtype ops, which give
-# float32 when the caller passes no dtype.
+# What native CUDA autocast does with each AutocastCUDA entry (autocast_mode.cpp, the
+# union over the supported versions). fp32 includes its fp32_set_opt_dtype /
+# fp32_append_dtype ops, which give float32 when the caller passes no dtype.
 _CUDA_LOWER = """
+_cudnn_rnn
 _convolution _convolution.deprecated conv1d conv2d conv3d conv_tbc conv_transpose1d
 conv_transpose2d.input conv_transpose3d.input convolution prelu addmm addmv addr matmul
 einsum mm mv linalg_vecdot linear addbmm baddbmm bmm chain_matmul linalg_multi_dot
@@ -402,7 +427,9 @@ upsample_nearest3d _upsample_nearest_exact3d upsample_linear1d upsample_bilinear
 _upsample_bilinear2d_aa upsample_trilinear3d upsample_bicubic2d _upsample_bicubic2d_aa
 prod prod.dim_int softmax.int log_softmax.int cumprod cumsum linalg_vector_norm
 linalg_matrix_norm linalg_matrix_norm.str_ord sum sum.dim_IntList
-norm.Scalar norm.ScalarOpt_dim
+norm.Scalar norm.ScalarOpt_dim linalg_matrix_sqrth
+prod.dim_Dimname softmax.Dimname log_softmax.Dimname cumprod.dimname cumsum.dimname
+sum.dim_DimnameList norm.names_ScalarOpt_dim
 """
 _CUDA_PROMOTE = "addcdiv addcmul atan2 bilinear cross dot vdot grid_sampler index_put tensordot scatter_add"
 _CUDA_BANNED = "binary_cross_entropy"
@@ -421,6 +448,56 @@ def _registrations(key):
 
 CPU_REGISTERED = _registrations("AutocastCPU")
 CUDA_REGISTERED = _registrations("AutocastCUDA")
+
+_NAMED_OVERLOADS = {
+    "AutocastCPU": ["aten::index_copy.dimname", "aten::prod.dim_Dimname"],
+    "AutocastCUDA": [
+        "aten::cumprod.dimname", "aten::cumsum.dimname", "aten::log_softmax.Dimname",
+        "aten::norm.names_ScalarOpt_dim", "aten::prod.dim_Dimname", "aten::softmax.Dimname",
+        "aten::sum.dim_DimnameList",
+    ],
+}
+
+# Registrations that differ between the supported torch releases, measured on each:
+# name -> (first release that registers it, first release that no longer does).
+BY_VERSION = {
+    "AutocastCPU": {
+        **{name: (None, "2.13") for name in _NAMED_OVERLOADS["AutocastCPU"]},
+        "aten::cholesky": (None, "2.14"),
+        "aten::qr": (None, "2.14"),
+        "aten::linalg_matrix_sqrth": ("2.14", None),
+    },
+    "AutocastCUDA": {
+        **{name: (None, "2.13") for name in _NAMED_OVERLOADS["AutocastCUDA"]},
+        "aten::rms_norm": ("2.12", None),
+        "aten::linalg_matrix_sqrth": ("2.14", None),
+    },
+}
+# Registered by CUDA builds only (the CPU build has no cuDNN).
+CUDA_BUILDS_ONLY = {"AutocastCUDA": {"aten::_cudnn_rnn"}}
+IS_CUDA_BUILD = torch.version.cuda is not None
+
+
+def _expected_here(key, name):
+    """Whether the installed torch should register ``name`` for ``key``, or None when
+    the name does not differ between versions and builds."""
+    if name in CUDA_BUILDS_ONLY.get(key, ()):
+        return IS_CUDA_BUILD
+    if name not in BY_VERSION[key]:
+        return None
+    since, until = BY_VERSION[key][name]
+    return (since is None or torch.__version__ >= since) and (until is None or torch.__version__ < until)
+
+
+def _op_exists(name):
+    op, _, overload = name.split("::")[1].partition(".")
+    packet = getattr(torch.ops.aten, op, None)
+    return packet is not None and overload in ("", *packet.overloads())
+
+
+# Calls of the ops and overloads the installed torch has (torch 2.13 removed the
+# named-tensor overloads, torch 2.14 cholesky and qr).
+CALLS = {name: make for name, make in CALLS.items() if _op_exists(name)}
 
 
 # -- helpers -------------------------------------------------------------------------------
@@ -515,8 +592,23 @@ def test_every_registration_is_mapped(key, registered):
 def test_every_cuda_registration_has_a_native_kind():
     missing = [n for n in CUDA_REGISTERED if n not in NATIVE_CUDA_KIND]
     assert not missing, f"AutocastCUDA registrations without a kind in NATIVE_CUDA_KIND: {missing}"
-    stale = sorted(set(NATIVE_CUDA_KIND) - set(CUDA_REGISTERED))
-    assert not stale, f"NATIVE_CUDA_KIND names no longer registered: {stale}"
+    stale = sorted(
+        n for n in set(NATIVE_CUDA_KIND) - set(CUDA_REGISTERED)
+        if _expected_here("AutocastCUDA", n) is None
+    )
+    assert not stale, (
+        f"NATIVE_CUDA_KIND names torch {torch.__version__} does not register, and that "
+        f"BY_VERSION does not list: {stale}")
+
+
+@pytest.mark.parametrize("key, registered", [("AutocastCPU", CPU_REGISTERED), ("AutocastCUDA", CUDA_REGISTERED)])
+def test_registrations_differ_between_versions_only_where_known(key, registered):
+    names = set(BY_VERSION[key]) | CUDA_BUILDS_ONLY.get(key, set())
+    wrong = sorted(n for n in names if (n in registered) != _expected_here(key, n))
+    assert not wrong, (
+        f"torch {torch.__version__} ({'CUDA' if IS_CUDA_BUILD else 'CPU'} build) registers "
+        f"these {key} entries against BY_VERSION / CUDA_BUILDS_ONLY: "
+        f"{[(n, n in registered) for n in wrong]}")
 
 
 @pytest.mark.parametrize("name", sorted(UNREACHABLE_ON_CPU))

@@ -5,6 +5,7 @@ import torch
 
 import dispatch_amp as amp
 from dispatch_amp import op_tables
+from dispatch_amp import policy as policy_module
 from dispatch_amp.policy import Policy
 
 
@@ -14,6 +15,44 @@ def test_builtin_tables_resolve_and_have_no_duplicates():
         names = [n for kind in op_tables.KINDS for n in p.ops(kind)]
         assert len(names) == len(set(names)) == len(p.rules)
         assert all(n.startswith("aten::") for n in names)
+
+
+# Table names native autocast registers in some supported torch releases and not others,
+# with the release range that registers them (first that does, first that no longer does).
+_BY_VERSION = {
+    "cuda": {"rms_norm": ("2.12", None), "_fused_rms_norm": ("2.12", None),
+             "linalg_matrix_sqrth": ("2.14", None)},
+    "cpu": {"cholesky": (None, "2.14"), "qr": (None, "2.14"), "linalg_matrix_sqrth": ("2.14", None)},
+}
+
+
+def _in_range(since, until):
+    return (since is None or torch.__version__ >= since) and (until is None or torch.__version__ < until)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_builtin_policy_follows_the_installed_torch(device):
+    # Only the names known to differ between releases may be left out (anything else
+    # left out is a typo in op_tables.py or a change upstream), and each is in the
+    # policy exactly on the releases that register it.
+    policy = Policy.for_device(device)
+    unknown = sorted(set(policy_module.OMITTED[device]) - set(_BY_VERSION[device]))
+    assert not unknown, f"left out of the built-in {device} policy on torch {torch.__version__}: {unknown}"
+    for name, (since, until) in _BY_VERSION[device].items():
+        here = _in_range(since, until)
+        assert (f"aten::{name}" in policy.rules) == here, name
+        assert (name in policy_module.OMITTED[device]) == (not here), name
+    table = op_tables.CUDA_TABLE if device == "cuda" else op_tables.CPU_TABLE
+    listed = sum(len(names) for names in table.values())
+    assert len(policy.rules) + len(policy_module.OMITTED[device]) == listed
+
+
+def test_builtin_tables_name_their_own_entries_consistently():
+    # Every name of ours is in its table; what it follows is a native entry of that table.
+    for table, own in ((op_tables.CUDA_TABLE, op_tables.CUDA_OWN), (op_tables.CPU_TABLE, op_tables.CPU_OWN)):
+        listed = {name for names in table.values() for name in names}
+        assert set(own) <= listed
+        assert {f for f in own.values() if f is not None} <= listed - set(own)
 
 
 def test_device_tables_differ_where_native_differs():

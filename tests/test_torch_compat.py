@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import pathlib
 
 import pytest
 import torch
@@ -10,14 +11,19 @@ import torch
 from dispatch_amp import _torch_compat
 
 
-def test_every_private_api_resolves_on_the_tested_torch():
-    assert torch.__version__.startswith(_torch_compat.TESTED_TORCH)
+def test_every_private_api_resolves_on_a_supported_torch():
+    assert torch.__version__ >= _torch_compat.OLDEST_TORCH
     for name in (
         "len_dispatch_stack", "dispatch_stack_at", "pop_dispatch_stack", "push_dispatch_stack",
         "top_saved_tensors_hooks", "reentrant_checkpoint_function", "tensor_is_view",
         "set_eval_frame", "skip_code",
     ):
         assert getattr(_torch_compat, name) is not None, name
+
+
+def test_the_oldest_supported_torch_is_pyprojects_floor():
+    pyproject = (pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert f'"torch>={_torch_compat.OLDEST_TORCH}"' in pyproject
 
 
 def test_a_missing_api_fails_the_import_and_names_it(monkeypatch):
@@ -27,7 +33,8 @@ def test_a_missing_api_fails_the_import_and_names_it(monkeypatch):
         pattern = r"torch\._C\._pop_torch_dispatch_stack, torch\._C\._autograd\._top_saved_tensors_default_hooks"
         with pytest.raises(ImportError, match=pattern) as info:
             importlib.reload(_torch_compat)
-        assert f"tested with torch {_torch_compat.TESTED_TORCH}" in str(info.value)
+        assert (f"tested with torch {_torch_compat.OLDEST_TORCH} through "
+                f"{_torch_compat.NEWEST_TESTED_TORCH}") in str(info.value)
     finally:
         monkeypatch.undo()
         importlib.reload(_torch_compat)

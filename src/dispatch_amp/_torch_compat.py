@@ -2,7 +2,7 @@
 
 Each entry below is something torch does not promise to keep. They are resolved when
 this module is imported; if any is missing (a torch version we do not test), the import
-fails with one error that names every missing API and the torch version the project is
+fails with one error that names every missing API and the torch versions the project is
 tested with, instead of an AttributeError deep inside a forward pass.
 
 What each is for:
@@ -20,7 +20,9 @@ What each is for:
   once, at trace time (see "Note: torch.compile" in ``_engine.py``);
 - ``_top_saved_tensors_default_hooks`` and ``torch.utils.checkpoint.CheckpointFunction``:
   telling whether torch's checkpoint is running, to refuse it under a custom policy;
-- ``Tensor._is_view``: native's weight-cast cache skips views, and so does ours.
+- ``Tensor._is_view``: native's weight-cast cache skips views, and so does ours;
+- ``_dispatch_get_registrations_for_dispatch_key``: the ops native autocast handles in
+  the installed torch, which the built-in policies follow (``policy._builtin_table``).
 
 ``_routing.clone_without_dispatch_check`` also relies on torch's Python composites
 reading ``has_torch_function*`` from their module globals; tests that expand
@@ -35,7 +37,10 @@ import types
 import torch
 import torch.utils.checkpoint
 
-TESTED_TORCH = "2.13"
+# The torch releases the whole test suite passes on (README, "Supported torch"); the
+# oldest is pyproject.toml's floor.
+OLDEST_TORCH = "2.11"
+NEWEST_TESTED_TORCH = "2.15"
 
 _missing: list[str] = []
 
@@ -60,6 +65,9 @@ reentrant_checkpoint_function = _lookup(
 )
 tensor_is_view = _lookup(torch.Tensor, "torch.Tensor", "_is_view")
 dispatch_key_excluded = _lookup(torch._C, "torch._C", "_dispatch_tls_is_dispatch_key_excluded")
+_registrations_for_key = _lookup(
+    torch._C, "torch._C", "_dispatch_get_registrations_for_dispatch_key"
+)
 
 try:
     from torch._C._dynamo.eval_frame import set_eval_frame
@@ -89,11 +97,25 @@ AUTOCAST_KEYS = {
     if name.startswith("Autocast") and name != "Autocast"
 }
 
+def _next_minor(version: str) -> str:
+    major, minor = version.split(".")[:2]
+    return f"{major}.{int(minor) + 1}"
+
+
 if _missing:
     raise ImportError(
         f"dispatch_amp needs private PyTorch APIs that torch {torch.__version__} does not "
-        f"have: {', '.join(_missing)}. dispatch_amp is tested with torch {TESTED_TORCH}; "
-        f"install that version (pip install 'torch=={TESTED_TORCH}.*')."
+        f"have: {', '.join(_missing)}. dispatch_amp is tested with torch {OLDEST_TORCH} "
+        f"through {NEWEST_TESTED_TORCH}; install one of those (pip install "
+        f"'torch>={OLDEST_TORCH},<{_next_minor(NEWEST_TESTED_TORCH)}')."
+    )
+
+
+def autocast_registrations(key: str) -> frozenset[str]:
+    """The ops (``"aten::mm"``, overloads folded into their op) that native autocast
+    registers for dispatch key ``key`` ("AutocastCPU", "AutocastCUDA") in this torch."""
+    return frozenset(
+        name.split(".", 1)[0] for name in _registrations_for_key(key)
     )
 
 

@@ -22,8 +22,14 @@ Kinds:
     promote           run in the widest floating dtype among the inputs
     banned            refuse, with an error naming the safe alternative
 
-The lists follow native autocast in torch 2.13 (the ops registered for the AutocastCUDA
-and AutocastCPU dispatch keys); ``tests/test_native_registrations.py`` walks those
+The lists follow native autocast (the ops registered for the AutocastCUDA and AutocastCPU
+dispatch keys), as the union over the supported torch versions. Native's table changes
+from version to version: CUDA ``rms_norm`` is registered from torch 2.12 on, and torch
+2.14 removed ``cholesky`` and ``qr`` and added ``linalg_matrix_sqrth``. So the built-in policy is
+built from the installed torch (``policy._builtin_table``): a name native autocast
+registers is kept only where the installed torch registers it for the device's key. The
+names native never registers are in ``CUDA_OWN`` and ``CPU_OWN``, each with the native
+entry it follows. ``tests/test_native_registrations.py`` walks the installed torch's
 registrations and checks every entry against a user-facing call.
 """
 
@@ -74,6 +80,8 @@ CUDA_TABLE = {
         # recurrent cells and layers (cuDNN's RNN casts its flattened weights itself)
         "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
         "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "lstm", "gru", "rnn_tanh", "rnn_relu",
+        # (CUDA builds also register _cudnn_rnn, which native casts and re-flattens; it is
+        # not listed: lstm and gru are cast whole above it, at the function level.)
         # attention
         "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
         # misc
@@ -88,6 +96,8 @@ CUDA_TABLE = {
         "rms_norm", "_fused_rms_norm", "frobenius_norm", "nuclear_norm",
         # distances and similarities
         "cosine_similarity", "dist", "pdist", "cdist", "renorm", "logsumexp",
+        # linear algebra (torch 2.14 and later)
+        "linalg_matrix_sqrth",
         # losses
         "poisson_nll_loss", "cosine_embedding_loss", "nll_loss", "nll_loss_forward",
         "nll_loss2d", "nll_loss2d_forward", "hinge_embedding_loss", "kl_div", "l1_loss",
@@ -159,6 +169,7 @@ CPU_TABLE = {
         "linalg_eigvals", "linalg_eigvalsh", "linalg_householder_product", "linalg_inv",
         "linalg_inv_ex", "linalg_lstsq", "linalg_matrix_rank", "linalg_qr", "linalg_solve",
         "linalg_svd", "linalg_svdvals", "linalg_tensorinv", "linalg_tensorsolve",
+        "linalg_matrix_sqrth",
         # quantization
         "fake_quantize_per_tensor_affine",
         # losses
@@ -172,4 +183,30 @@ CPU_TABLE = {
     FP32_UNLESS_DTYPE: (),
     PROMOTE: ("cat", "stack", "index_copy"),
     BANNED: (),
+}
+
+# The names of each table that native autocast does not register for the device's key,
+# mapped to the native entry each one follows. An aten op that a registered composite
+# reaches after it decomposes (``_fused_rms_norm`` under ``rms_norm``) is cast only where
+# that composite is registered: where native leaves the composite alone (torch 2.11 has
+# no CUDA rms_norm), it leaves what the composite reaches alone too. ``None``: a
+# composite cast whole on our own account (native casts the matmuls inside it), kept
+# wherever torch has the op.
+CUDA_OWN = {
+    "linalg_matmul": "matmul",
+    "lstm": None, "gru": None, "rnn_tanh": None, "rnn_relu": None,
+    "native_group_norm": "group_norm",
+    "_fused_rms_norm": "rms_norm",
+    "nll_loss_forward": "nll_loss", "nll_loss2d_forward": "nll_loss2d",
+    "cross_entropy_loss": None,
+    "_softmax": "softmax", "_log_softmax": "log_softmax",
+}
+
+CPU_OWN = {
+    "linalg_matmul": "matmul",
+    "einsum": None, "tensordot": None, "chain_matmul": None, "linalg_multi_dot": None,
+    "inner": None, "lstm": None, "rnn_tanh": None, "rnn_relu": None,
+    "rnn_tanh_cell": None, "rnn_relu_cell": None,
+    "_scaled_dot_product_flash_attention_for_cpu": "scaled_dot_product_attention",
+    "nll_loss_forward": "nll_loss", "nll_loss2d_forward": "nll_loss2d",
 }

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch._ops import OpOverload, OpOverloadPacket
 
-from . import op_tables
+from . import _torch_compat, op_tables
 from .op_tables import BANNED, FP32, FP32_UNLESS_DTYPE, KINDS, LOWER, PROMOTE, CastKind
 
 __all__ = ["Policy", "CastKind", "LOWER", "FP32", "FP32_UNLESS_DTYPE", "PROMOTE", "BANNED"]
@@ -101,12 +101,18 @@ class Policy:
         p2.kind_of("mm"), p2.kind_of("conv2d")  # ('fp32', None)
     """
 
-    __slots__ = ("name", "_rules", "_hash")
+    __slots__ = ("name", "_rules", "_key", "_routes")
 
     def __init__(self, table: Mapping[str, Iterable[OpLike]], *, name: str = "custom"):
         self.name = name
-        self._rules: Mapping[str, CastKind] = types.MappingProxyType(_rules_from_table(table))
-        self._hash = hash(frozenset(self._rules.items()))
+        rules = _rules_from_table(table)
+        self._rules: Mapping[str, CastKind] = types.MappingProxyType(rules)
+        # The rules spelled as one string: equality and hashing compare it. The engine
+        # compares keys rather than policies on paths torch.compile traces, where Dynamo
+        # before torch 2.13 refuses to call a user class's __hash__.
+        self._key = "\n".join(sorted(f"{op} {kind.value}" for op, kind in rules.items()))
+        # The engine's routes for these rules (_routing.routes_for), made on first use.
+        self._routes = None
 
     @classmethod
     def for_device(cls, device_type: str) -> Policy:
@@ -192,17 +198,59 @@ class Policy:
 
     # -- value semantics ----------------------------------------------------------------
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Policy) and self._rules == other._rules
+        return isinstance(other, Policy) and self._key == other._key
 
     def __hash__(self) -> int:
-        return self._hash
+        return hash(self._key)
 
     def __repr__(self) -> str:
         counts = ", ".join(f"{kind}={len(self.ops(kind))}" for kind in KINDS)
         return f"Policy(name={self.name!r}, {counts})"
 
 
+def _builtin_table(
+    table: Mapping[str, Iterable[str]], own: Mapping[str, str | None], key: str
+) -> tuple[dict[str, list[str]], tuple[str, ...]]:
+    """The part of a built-in table that applies to the installed torch, and the names left out.
+
+    A name native autocast registers is kept where this torch registers it for ``key``;
+    a name of ours (``own``) is kept where torch has the op and the native entry it
+    follows is registered. The tables name the union over the supported torch versions,
+    so a name may be left out without being a typo; ``tests/test_policy.py`` checks that
+    every name left out is one known to differ between versions.
+    """
+    listed = {name for names in table.values() for name in names}
+    strays = sorted(set(own) - listed)
+    if strays:
+        raise ValueError(f"op_tables: {strays} are marked as our own but are in no table of {key}")
+    registered = _torch_compat.autocast_registrations(key)
+    kept: dict[str, list[str]] = {}
+    omitted: list[str] = []
+    for kind, names in table.items():
+        kept[kind] = []
+        for name in names:
+            if name in own:
+                follows = own[name]
+                keep = hasattr(torch.ops.aten, name) and (
+                    follows is None or f"aten::{follows}" in registered
+                )
+            else:
+                keep = f"aten::{name}" in registered
+            (kept[kind] if keep else omitted).append(name)
+    return kept, tuple(omitted)
+
+
+def _builtin(device_type: str, table, own, key: str) -> Policy:
+    kept, omitted = _builtin_table(table, own, key)
+    OMITTED[device_type] = omitted
+    return Policy(kept, name=device_type)
+
+
+# Names of each built-in table that the installed torch does not register (see
+# _builtin_table), by device type.
+OMITTED: dict[str, tuple[str, ...]] = {}
+
 _BUILTIN = {
-    "cuda": Policy(op_tables.CUDA_TABLE, name="cuda"),
-    "cpu": Policy(op_tables.CPU_TABLE, name="cpu"),
+    "cuda": _builtin("cuda", op_tables.CUDA_TABLE, op_tables.CUDA_OWN, "AutocastCUDA"),
+    "cpu": _builtin("cpu", op_tables.CPU_TABLE, op_tables.CPU_OWN, "AutocastCPU"),
 }
