@@ -10,16 +10,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _torch_compat
 from ._routing import Routes, routes_for
 from .policy import Policy
-
-if TYPE_CHECKING:
-    from ._engine import _AtenLevel, _FunctionLevel
 
 _Tensor = torch.Tensor
 # The cheap per-device test (t.is_cpu is several times faster than t.device.type).
@@ -77,11 +74,11 @@ class ThreadState(threading.local):
         # the dispatch stack only around the calls where it has work (_call_aside). One
         # function level object per thread, pushed again each time, so torch.compile sees
         # the same mode on the stack from region to region.
-        self.function_level: _FunctionLevel | None = None
+        self.function_level: TorchFunctionMode | None = None
         self.function_installer: int = -1
-        self.aten_level: _AtenLevel | None = None
+        self.aten_level: TorchDispatchMode | None = None
         self.aten_installer: int = -1
-        self.function_mode: _FunctionLevel | None = None  # made on first use
+        self.function_mode: TorchFunctionMode | None = None  # made on first use
         # Weight-cast cache: (id(src), dtype) -> (src, src._version, cast).
         self.cache: dict = {}
         # Python composites currently being expanded (guards against re-dispatch loops).

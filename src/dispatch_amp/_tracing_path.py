@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import types
 import warnings
-from typing import TYPE_CHECKING
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from . import _torch_compat
 from ._casting import banned_message, first_tensor, op_name, target_dtype
@@ -22,9 +22,8 @@ from ._routing import EXPAND, GETTER, clone_without_dispatch_check
 from ._state import STATE, DeviceContext, native_nesting
 from .composites import NOT_HANDLED
 from .op_tables import BANNED, CastKind
+from .warning_types import AmpNumericsWarning
 
-if TYPE_CHECKING:
-    from ._engine import _FunctionLevel
 
 _Tensor = torch.Tensor
 _float64 = torch.float64
@@ -84,8 +83,6 @@ def _warn_inference_trace(ctx: DeviceContext) -> None:
     if ctx.policy in _WARNED_INFERENCE_TRACE:
         return
     _WARNED_INFERENCE_TRACE.add(ctx.policy)
-    from .scaler_diagnostics import AmpNumericsWarning
-
     warnings.warn(
         f"torch.compile under no_grad/inference_mode with policy {ctx.policy.name!r}: the "
         f"compiled graph applies the policy to the calls it traces (F.linear, torch.mm, "
@@ -98,7 +95,7 @@ def _warn_inference_trace(ctx: DeviceContext) -> None:
     )
 
 
-def trace_call(mode: _FunctionLevel, func, args, kwargs):
+def trace_call(mode: TorchFunctionMode, func, args, kwargs):
     """The function level's handler while Dynamo traces (its code becomes graph)."""
     trace_key = mode.trace_key
     if trace_key is None:

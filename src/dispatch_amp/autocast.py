@@ -25,21 +25,9 @@ import torch
 
 from . import _engine, _torch_compat
 from .policy import Policy
+from .warning_types import CompileFallbackWarning
 
 __all__ = ["autocast", "is_autocast_enabled", "get_autocast_dtype", "clear_autocast_cache", "CompileFallbackWarning"]
-
-
-class CompileFallbackWarning(UserWarning):
-    """``dispatch_amp.autocast`` with a policy of its own was entered inside a
-    ``torch.compile``'d function, where Dynamo cannot trace it: the graph breaks there,
-    and a function that opens the region in a ``with`` block runs eagerly (with our
-    casts, so the numbers are right). Open the region around the compiled call instead;
-    there everything compiles. (Under a built-in policy the region is traced.)
-
-    Example::
-
-        warnings.simplefilter("error", amp.CompileFallbackWarning)   # make it fatal
-    """
 
 
 _is_compiling = torch.compiler.is_dynamo_compiling

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from .autocast import regions_entered
+from .warning_types import AmpNumericsWarning
 
 __all__ = [
     "AmpNumericsWarning",
@@ -43,18 +44,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger("dispatch_amp")
-
-
-class AmpNumericsWarning(RuntimeWarning):
-    """Category of the numerics warnings dispatch_amp raises (scale floor, repeated skips, ...).
-
-    Filter them like any warning category.
-
-    Example::
-
-        >>> import warnings
-        >>> warnings.simplefilter("error", AmpNumericsWarning)   # make them fatal in CI
-    """
 
 
 @dataclass(frozen=True)
