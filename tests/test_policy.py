@@ -155,3 +155,17 @@ def test_a_policy_read_back_from_json_casts_like_the_original():
 def test_cast_kinds_compare_as_their_strings():
     assert op_tables.CastKind.LOWER == "lower" and Policy.for_device("cpu").kind_of("mm") == "lower"
     assert repr(op_tables.CastKind.FP32) == "'fp32'" and f"{op_tables.CastKind.FP32}" == "fp32"
+
+
+def test_policies_pickle_and_deep_copy_as_values():
+    import copy
+    import pickle
+
+    custom = Policy.for_device("cuda").with_ops(fp32=["mm"], name="mm-fp32")
+    for policy in (Policy.for_device("cpu"), custom):
+        for again in (pickle.loads(pickle.dumps(policy)), copy.deepcopy(policy), copy.copy(policy)):
+            assert again == policy and hash(again) == hash(policy)
+            assert again.name == policy.name and dict(again.rules) == dict(policy.rules)
+            with amp.autocast("cpu", dtype=torch.float16, policy=again):
+                assert torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype == (
+                    torch.float32 if policy is custom else torch.float16)

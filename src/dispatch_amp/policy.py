@@ -203,9 +203,18 @@ class Policy:
     def __hash__(self) -> int:
         return hash(self._key)
 
+    def __reduce__(self):
+        # Pickled and deep-copied as its rules and name (Lightning deep-copies and pickles
+        # the precision plugins that hold a policy); the routes are made again on use.
+        return _policy_from_rules, (dict(self._rules), self.name)
+
     def __repr__(self) -> str:
         counts = ", ".join(f"{kind}={len(self.ops(kind))}" for kind in KINDS)
         return f"Policy(name={self.name!r}, {counts})"
+
+
+def _policy_from_rules(rules: Mapping[str, str], name: str) -> Policy:
+    return Policy._from_rules({op: _cast_kind(kind) for op, kind in rules.items()}, name)
 
 
 def _builtin_table(

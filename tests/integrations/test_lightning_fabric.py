@@ -98,3 +98,16 @@ def test_fabric_autocast_is_ours_with_the_policy():
     with fabric.autocast():
         assert amp.is_autocast_enabled("cpu")
         assert torch.nn.Linear(2, 2)(torch.ones(1, 2)).dtype is torch.float32
+
+
+def test_the_plugin_with_a_policy_pickles_and_deep_copies():
+    # Lightning deep-copies and pickles precision plugins (the Trainer's strategy, spawn).
+    import copy
+    import pickle
+
+    policy = amp.Policy.for_device("cpu").with_ops(fp32=["linear", "addmm", "mm"], name="fp32-linear")
+    plugin = MixedPrecision("bf16-mixed", "cpu", policy=policy)
+    for again in (copy.deepcopy(plugin), pickle.loads(pickle.dumps(plugin))):
+        assert again.policy == policy and again.policy.name == "fp32-linear"
+        with again.forward_context():
+            assert torch.nn.Linear(2, 2)(torch.ones(1, 2)).dtype is torch.float32
