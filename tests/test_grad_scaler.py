@@ -448,6 +448,9 @@ CORRUPT = [
     (lambda d: d.update(min_scale=8.0, max_scale=4.0), ValueError, "min_scale"),
     (lambda d: d.update(_hysteresis_tracker=9), ValueError, "_hysteresis_tracker"),
     (lambda d: d.update(_skipped_steps="x"), TypeError, "_skipped_steps"),
+    (lambda d: d.update(scale=torch.tensor([8.0, 8.0])), TypeError, "'scale'"),
+    (lambda d: d.update(_growth_tracker=torch.tensor(1.5)), TypeError, "_growth_tracker"),
+    (lambda d: d.update(scale=torch.tensor(-1.0)), ValueError, "'scale'"),
     (lambda d: d.clear(), ValueError, "empty"),
 ]
 
@@ -461,6 +464,30 @@ def test_corrupt_state_dict_is_refused_and_changes_nothing(corrupt, error, match
     with pytest.raises(error, match=match):
         scaler.load_state_dict(bad)
     assert scaler.state_dict() == before
+
+
+@pytest.mark.parametrize("change", [
+    {"scale": torch.tensor(1024.0)},
+    {"scale": torch.tensor(1024.0, dtype=torch.float64), "_growth_tracker": torch.tensor(3, dtype=torch.int32)},
+    {"_growth_tracker": torch.tensor(3)},
+    {"growth_interval": 3.0},
+], ids=["tensor-scale", "tensor-scale-and-tracker", "tensor-tracker", "float-interval"])
+def test_load_state_dict_takes_what_torchs_scaler_takes(change):
+    # torch's scaler loads these (0-d tensors through fill_; an integral float interval,
+    # which then breaks its update()); ours loads them as the numbers they hold.
+    sd = dict(stepped_scaler(torch.amp.GradScaler).state_dict(), **change)
+    native = torch.amp.GradScaler("cpu")
+    native.load_state_dict(dict(sd))
+    ours = GradScaler("cpu")
+    ours.load_state_dict(dict(sd))
+    assert ours.get_scale() == native.get_scale()
+    assert ours.get_growth_interval() == int(sd["growth_interval"])
+    assert ours.state_dict()["_growth_tracker"] == int(sd["_growth_tracker"])
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ours.scale(model(torch.randn(2, 6)).sum()).backward()
+    ours.step(opt)
+    ours.update()  # and it trains on
 
 
 def test_pickle_between_iterations():

@@ -730,9 +730,11 @@ class GradScaler:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state from ``state_dict()`` (ours or ``torch.amp.GradScaler``'s).
 
-        Everything is validated before anything changes: a missing key, a wrong type or an
-        impossible value (scale <= 0 or not finite, growth_factor <= 1, ...) raises
-        ``ValueError``/``TypeError`` naming the key, and the scaler keeps its state. Keys of
+        Takes what torch's scaler takes: numbers, 0-d tensors (``scale``, ``_growth_tracker``)
+        and integral floats for the int fields. Everything is validated before anything
+        changes: a missing key, a wrong type or an impossible value (scale <= 0 or not
+        finite, growth_factor <= 1, ...) raises ``ValueError``/``TypeError`` naming the key,
+        and the scaler keeps its state. Keys of
         ours that torch's dict lacks keep this scaler's configuration (hysteresis, bounds)
         and start their trackers fresh. A no-op when disabled.
 

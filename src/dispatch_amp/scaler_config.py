@@ -132,6 +132,15 @@ class LoadedState(NamedTuple):
     skipped_steps: int
 
 
+def _number(value: Any) -> Any:
+    """A 0-d real tensor as its Python number (torch's scaler loads a tensor ``scale`` or
+    ``_growth_tracker`` with ``fill_``, which takes 0-d tensors); anything else as it is."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex() \
+            and value.dtype is not torch.bool:
+        return value.item()
+    return value
+
+
 def parse_state_dict(state_dict, current: ScalerConfig) -> LoadedState:
     """Read and validate a scaler ``state_dict()`` (ours or ``torch.amp.GradScaler``'s).
 
@@ -153,21 +162,25 @@ def parse_state_dict(state_dict, current: ScalerConfig) -> LoadedState:
             raise ValueError(f"state_dict is missing the key {key!r}.")
 
     def real(key):
-        v = state_dict[key]
+        v = _number(state_dict[key])
         if not is_real(v):
             raise TypeError(f"state_dict[{key!r}] must be a number, got {type(v).__name__}.")
         return float(v)
 
     def integer(key, default, low, high):
-        v = state_dict.get(key, default)
+        v = _number(state_dict.get(key, default))
+        # torch's scaler loads 2000.0 for growth_interval (and fails at update()): an
+        # integral float is taken as the int it is, any other float refused here.
+        if is_real(v) and not is_int(v) and float(v).is_integer():
+            v = int(v)
         if not is_int(v):
-            raise TypeError(f"state_dict[{key!r}] must be an int, got {type(v).__name__}.")
+            raise TypeError(f"state_dict[{key!r}] must be an int, got {type(v).__name__} {v!r}.")
         if not low <= v <= high:
             raise ValueError(f"state_dict[{key!r}] must lie in [{low}, {high}], got {v}.")
         return int(v)
 
     def optional_real(key, default):
-        v = state_dict.get(key, default)
+        v = _number(state_dict.get(key, default))
         if v is not None and not is_real(v):
             raise TypeError(f"state_dict[{key!r}] must be a number or None, got {type(v).__name__}.")
         return None if v is None else float(v)
