@@ -127,6 +127,44 @@ def test_patched_autocast_takes_every_torch_argument():
         assert forward(torch.ones(2, 3)).dtype is torch.bfloat16
 
 
+def _autocast_as_torch_code_sees_it(**kwargs):
+    """What code written for torch observes of ``torch.autocast("cpu", **kwargs)``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        region = torch.autocast("cpu", **kwargs)
+        with region:
+            inside = (torch.get_autocast_dtype("cpu"), torch.is_autocast_enabled("cpu"))
+    attributes = {name: getattr(region, name, "missing")
+                  for name in ("device", "fast_dtype", "_enabled", "_cache_enabled")}
+    return inside, [str(w.message) for w in caught], attributes
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"dtype": torch.float32}, {"dtype": torch.float64}, {"dtype": torch.float32, "enabled": False},
+    {}, {"dtype": torch.float16, "cache_enabled": False},
+], ids=["float32", "float64", "float32-disabled", "default", "float16-no-cache"])
+def test_patched_autocast_looks_like_torchs(kwargs):
+    native = _autocast_as_torch_code_sees_it(**kwargs)
+    with patch_torch():
+        patched = _autocast_as_torch_code_sees_it(**kwargs)
+    assert patched == native
+
+
+def test_patched_autocast_decorates_a_generator_function_as_torch_does():
+    def make(autocast_class):
+        @autocast_class("cpu")
+        def steps(x):
+            yield torch.mm(x, x).dtype  # the body runs after the decorated call returns
+        return steps
+
+    native = list(make(torch.autocast)(torch.ones(2, 2)))
+    with patch_torch():
+        patched = list(make(torch.autocast)(torch.ones(2, 2)))
+    assert patched == native == [torch.float32]
+    with pytest.raises(TypeError, match="generator"):  # dispatch_amp.autocast itself refuses
+        make(amp.autocast)
+
+
 def test_patched_scalers_take_torch_arguments():
     with patch_torch():
         scaler = torch.amp.GradScaler("cpu", 2.0**10, 2.0, 0.5, 100, True)

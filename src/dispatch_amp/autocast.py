@@ -331,6 +331,20 @@ class autocast:
 
         return decorated
 
+    # torch.autocast's attribute names, which code written for torch reads.
+    @property
+    def device(self) -> str:
+        """The device type, under ``torch.autocast``'s attribute name."""
+        return self.device_type
+
+    @property
+    def _enabled(self) -> bool:
+        return self.enabled
+
+    @property
+    def _cache_enabled(self) -> bool:
+        return self.cache_enabled
+
     def __repr__(self) -> str:
         return (
             f"autocast({self.device_type!r}, dtype={self.fast_dtype}, enabled={self.enabled}, "

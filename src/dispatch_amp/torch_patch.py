@@ -35,6 +35,8 @@ Example::
 
 from __future__ import annotations
 
+import functools
+import inspect
 import warnings
 
 import torch
@@ -67,15 +69,17 @@ def _autocast_class(policy: Policy | None) -> type:
             return super().__new__(cls)
 
         def __init__(self, device_type, dtype=None, enabled=True, cache_enabled=None):
-            if dtype is not None and dtype not in _LOW_DTYPES:
-                if enabled:
-                    # torch's own reaction to an unsupported dtype: warn, then run disabled.
-                    warnings.warn(
-                        f"In {device_type.upper()} autocast, but the target dtype is not "
-                        "supported. Disabling autocast.",
-                        stacklevel=2,
-                    )
-                dtype, enabled = None, False
+            if dtype is not None and dtype not in _LOW_DTYPES and enabled:
+                # torch's own reaction to an unsupported dtype: warn, then run disabled
+                # (torch still reports that dtype inside the region).
+                name = device_type.upper()
+                warnings.warn(
+                    f"In {name} autocast, but the target dtype is not supported. Disabling "
+                    f"autocast.\n{name} Autocast only supports dtypes of "
+                    f"{', '.join(map(str, _LOW_DTYPES[::-1]))} currently.",
+                    stacklevel=2,
+                )
+                enabled = False
             super().__init__(
                 device_type,
                 dtype,
@@ -83,6 +87,20 @@ def _autocast_class(policy: Policy | None) -> type:
                 True if cache_enabled is None else cache_enabled,
                 policy,
             )
+
+        def __call__(self, func):
+            if inspect.isgeneratorfunction(func) or inspect.iscoroutinefunction(func):
+                # torch.autocast decorates these as any function: its region covers the
+                # call that makes the generator or coroutine, not the body run later.
+                # dispatch_amp.autocast refuses them; code written for torch gets torch's
+                # behaviour.
+                @functools.wraps(func)
+                def decorated(*args, **kwargs):
+                    with self:
+                        return func(*args, **kwargs)
+
+                return decorated
+            return super().__call__(func)
 
     setattr(autocast_with_torch_signature, _MARK, True)
     return autocast_with_torch_signature
