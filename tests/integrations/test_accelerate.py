@@ -161,3 +161,13 @@ def test_install_amp_refuses_what_it_cannot_honour():
     accelerator.prepare(torch.nn.Linear(2, 2))
     with pytest.raises(RuntimeError, match="after accelerator.prepare"):
         install_amp(accelerator)
+
+
+def test_install_amp_checks_every_argument_before_changing_the_accelerator():
+    accelerator = Accelerator(cpu=True)
+    before = {name: getattr(accelerator, name) for name in ("native_amp", "scaler", "autocast", "prepare_model")}
+    with pytest.raises(TypeError, match="policy must be a dispatch_amp.Policy"):
+        install_amp(accelerator, dtype="bf16", policy="cpu")
+    assert {name: getattr(accelerator, name) for name in before} == before
+    assert getattr(accelerator, "dispatch_amp", None) is None
+    install_amp(accelerator, dtype="bf16", policy=amp.Policy.for_device("cpu"))  # still possible

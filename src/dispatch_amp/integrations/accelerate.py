@@ -243,6 +243,10 @@ def install_amp(
     elif scaler is None:
         scaler = GradScaler(accelerator.device.type, **dict(scaler_options or {}))
 
+    # Every argument is checked before the Accelerator changes: a region built here
+    # refuses a policy that is not a Policy, as prepare() would, only later.
+    autocast(accelerator.device.type, dtype, enabled=False, policy=policy)
+
     hooks = AmpHooks(accelerator, dtype, policy, scaler)
     accelerator.native_amp = False
     accelerator.scaler = scaler
