@@ -50,7 +50,7 @@ def test_defaults_per_device():
     assert amp.get_autocast_dtype("cuda") == torch.float16
 
 
-# Exception types are torch.autocast's; the messages are ours.
+# Exception types are torch.autocast's; the messages are ours, with torch's inside.
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
@@ -67,8 +67,16 @@ def test_bad_arguments_raise_clear_errors(kwargs, error, match):
     with pytest.raises(error, match=match):
         amp.autocast(**kwargs)
     if set(kwargs) == {"device_type"}:  # the cases torch.autocast also refuses
-        with pytest.raises(error):
+        with pytest.raises(error) as theirs:
             torch.autocast(**kwargs)
+        with pytest.raises(error) as ours:
+            amp.autocast(**kwargs)
+        assert str(theirs.value) in str(ours.value)  # code matching torch's words still matches
+
+
+def test_a_device_type_torch_autocasts_but_we_do_not_is_refused_with_the_way_out():
+    with pytest.raises(RuntimeError, match="unsupported device_type 'mps'.*use torch.autocast there"):
+        amp.autocast("mps")
 
 
 def test_state_queries_validate_device_type():

@@ -112,21 +112,27 @@ _DEVICES: dict[str, tuple[torch.dtype, tuple[torch.dtype, ...]]] = {
 
 def _check_device_type(device_type) -> str:
     # Exception types follow torch.autocast's (ValueError for a non-string, RuntimeError
-    # for an unknown device type) so code that catches them behaves the same.
-    if isinstance(device_type, torch.device):
-        raise ValueError(
-            f"device_type must be a string such as 'cuda' or 'cpu', got torch.device "
-            f"{str(device_type)!r}; pass device.type"
-        )
+    # for an unknown device type), and each message holds torch's own words too, so code
+    # that catches or matches them behaves the same.
     if not isinstance(device_type, str):
-        raise ValueError(
-            f"device_type must be a string, one of {sorted(_DEVICES)}, "
-            f"got {type(device_type).__name__}"
-        )
+        theirs = f"Expected `device_type` of type `str`, got: `{type(device_type)}`"
+        if isinstance(device_type, torch.device):
+            raise ValueError(
+                f"{theirs}: device_type must be a string such as 'cuda' or 'cpu', got "
+                f"torch.device {str(device_type)!r}; pass device.type"
+            )
+        raise ValueError(f"{theirs}: device_type must be a string, one of {sorted(_DEVICES)}")
     if device_type not in _DEVICES:
+        try:  # what torch says of it (making a disabled torch.autocast changes nothing)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                torch.amp.autocast_mode.autocast(device_type, enabled=False)
+            theirs = "torch.autocast supports it; use torch.autocast there"
+        except (RuntimeError, ValueError) as error:
+            theirs = str(error)
         raise RuntimeError(
             f"unsupported device_type {device_type!r}: dispatch_amp.autocast supports "
-            f"{sorted(_DEVICES)}"
+            f"{sorted(_DEVICES)} ({theirs})"
         )
     return device_type
 
