@@ -224,3 +224,40 @@ def test_recipe_code_under_the_patch_matches_native_bit_for_bit():
     assert issubclass(scaler_type, amp.GradScaler) and not issubclass(native[3], amp.GradScaler)
     assert scales == native[2] and scales[2] == scales[1] / 2, "the overflow step backs off the same way"
     assert _same(losses, native[0]) and _same(grads, native[1])
+
+
+
+def test_two_threads_starting_patches_at_once_leave_torch_as_it_was(monkeypatch):
+    # Each start() is slowed between its check ("is torch patched already?") and its
+    # writes, so both threads would pass the check before either writes. One patch
+    # must start, the other be refused, and stopping the one leaves torch as it was.
+    import threading
+    import time
+
+    from dispatch_amp import torch_patch
+
+    originals = (torch.autocast, torch.amp.autocast, torch.amp.GradScaler)
+
+    def slow_setattr(obj, name, value):
+        time.sleep(0.01)
+        setattr(obj, name, value)
+
+    monkeypatch.setattr(torch_patch, "setattr", slow_setattr, raising=False)
+    started, refused = [], []
+
+    def start():
+        patch = patch_torch()
+        try:
+            started.append(patch.start())
+        except RuntimeError as error:
+            refused.append(str(error))
+
+    threads = [threading.Thread(target=start) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for patch in started:
+        patch.stop()
+    assert len(started) == 1 and len(refused) == 1 and "already patched" in refused[0]
+    assert (torch.autocast, torch.amp.autocast, torch.amp.GradScaler) == originals

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 import warnings
 
 import torch
@@ -51,6 +52,9 @@ __all__ = ["patch_torch", "TorchPatch"]
 # Marks the classes a patch installs, so a second patch can see that one is active by
 # looking at torch itself rather than at a flag of ours.
 _MARK = "_dispatch_amp_patch"
+
+# Held while a patch checks and swaps torch's attributes (start and stop).
+_SWAP_LOCK = threading.Lock()
 
 _OUR_DEVICES = ("cpu", "cuda")
 _LOW_DTYPES = (torch.float16, torch.bfloat16)
@@ -196,20 +200,24 @@ class TorchPatch:
             ...     torch.amp.GradScaler.__module__
             'dispatch_amp.torch_patch'
         """
-        if self._saved is not None:
-            raise RuntimeError("this patch is already started; call stop() before starting it again")
         table = _replacements(self.policy)
-        for module, name, _ in table:
-            if getattr(getattr(module, name), _MARK, False):
-                raise RuntimeError(
-                    f"{module.__name__}.{name} is already patched by another "
-                    "dispatch_amp.patch_torch(); stop that patch (patch.stop() or leave its "
-                    "with-block) before starting a new one"
-                )
-        saved = [(module, name, getattr(module, name)) for module, name, _ in table]
-        for module, name, replacement in table:
-            setattr(module, name, replacement)
-        self._saved = saved
+        # One lock for every patch: the check and the writes of one start() or stop() must
+        # not interleave with another thread's, or a patch saves another's replacements
+        # as torch's originals and torch stays patched after both stop.
+        with _SWAP_LOCK:
+            if self._saved is not None:
+                raise RuntimeError("this patch is already started; call stop() before starting it again")
+            for module, name, _ in table:
+                if getattr(getattr(module, name), _MARK, False):
+                    raise RuntimeError(
+                        f"{module.__name__}.{name} is already patched by another "
+                        "dispatch_amp.patch_torch(); stop that patch (patch.stop() or leave its "
+                        "with-block) before starting a new one"
+                    )
+            saved = [(module, name, getattr(module, name)) for module, name, _ in table]
+            for module, name, replacement in table:
+                setattr(module, name, replacement)
+            self._saved = saved
         return self
 
     def stop(self) -> None:
@@ -221,11 +229,12 @@ class TorchPatch:
             >>> torch.autocast is torch.amp.autocast_mode.autocast
             True
         """
-        if self._saved is None:
-            raise RuntimeError("stop() was called on a patch that is not started; call start() first")
-        for module, name, original in reversed(self._saved):
-            setattr(module, name, original)
-        self._saved = None
+        with _SWAP_LOCK:
+            if self._saved is None:
+                raise RuntimeError("stop() was called on a patch that is not started; call start() first")
+            for module, name, original in reversed(self._saved):
+                setattr(module, name, original)
+            self._saved = None
 
     def __enter__(self) -> TorchPatch:
         return self.start()
