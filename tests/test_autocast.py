@@ -474,3 +474,82 @@ def test_checkpoint_recomputes_under_our_state(use_reentrant):
         grads.append(lin.weight.grad.clone())
     assert y.dtype == torch.bfloat16
     assert torch.equal(*grads)
+
+
+# -- regions left out of order (generators) -------------------------------------------
+def _opens_and_yields(region):
+    def gen():
+        with region:
+            yield
+    g = gen()
+    next(g)
+    return g
+
+
+def test_a_region_closed_under_a_mode_entered_later_leaves_that_mode_alone():
+    # The generator's region ends inside the caller's torch.device("meta") block: only
+    # our level leaves torch's function-mode stack, the device mode stays in force.
+    g = _opens_and_yields(amp.autocast("cpu"))
+    with torch.device("meta"):
+        next(g, None)
+        assert torch.empty(2).device.type == "meta"
+        assert not torch.is_autocast_enabled("cpu")
+    assert torch._C._len_torch_function_stack() == 0
+    assert torch.empty(2).device.type == "cpu"
+
+
+def test_a_region_closed_out_of_order_closes_itself_not_the_callers():
+    a = torch.ones(2, 2)
+    g = _opens_and_yields(amp.autocast("cpu"))          # bfloat16, enabled
+    with amp.autocast("cpu", enabled=False):             # the caller's region, innermost
+        next(g, None)                                   # the generator's region closes
+        # The caller's region is still in force, as under native autocast.
+        assert not torch.is_autocast_enabled("cpu") and torch.mm(a, a).dtype == torch.float32
+    # Both closed: autocast is off again. (Two torch.autocast regions left this way leave
+    # it on: the caller's exit restores the generator's state.)
+    assert not torch.is_autocast_enabled("cpu") and torch.mm(a, a).dtype == torch.float32
+    assert torch._C._len_torch_function_stack() == 0
+
+
+CUSTOM = amp.Policy.for_device("cpu").with_ops(fp32=["mm"], name="mm-fp32")
+
+
+_REGIONS = st.lists(
+    st.tuples(st.booleans(), st.sampled_from([torch.bfloat16, torch.float16]), st.booleans()),
+    min_size=2, max_size=4,
+)
+
+
+# (regions, closing order), drawn together: nothing is drawn while regions are open.
+@given(case=_REGIONS.flatmap(lambda rs: st.tuples(st.just(rs), st.permutations(range(len(rs))))))
+def test_regions_closed_in_any_order_leave_the_innermost_in_force_and_nothing_behind(case):
+    # Open regions one inside the other, close them in a random order; after each close,
+    # torch's state and the casts are those of the innermost region still open, and after
+    # the last nothing is left: no frame, no level, no mode, torch's state as it was.
+    regions, order = case
+    a = torch.ones(2, 2)
+    before = (torch._functorch.config.backward_pass_autocast, torch.get_autocast_dtype("cpu"))
+    opened = []
+    for enabled, dtype, custom in regions:
+        region = amp.autocast("cpu", dtype=dtype, enabled=enabled, policy=CUSTOM if custom else None)
+        region.__enter__()
+        opened.append((region, enabled, dtype, custom))
+    still_open = list(range(len(opened)))
+    try:
+        for i in order:
+            still_open.remove(i)
+            opened[i][0].__exit__(None, None, None)
+            if still_open:
+                _, enabled, dtype, custom = opened[still_open[-1]]
+                assert torch.is_autocast_enabled("cpu") == enabled
+                if enabled:
+                    assert torch.get_autocast_dtype("cpu") == dtype
+                want = dtype if enabled and not custom else torch.float32
+                assert torch.mm(a, a).dtype == want
+    finally:  # a failed check above must not leave regions open for the next example
+        for i in reversed(still_open):
+            opened[i][0].__exit__(None, None, None)
+    assert _engine.STATE.frames == [] and _engine.STATE.owns == [] and _engine.STATE.saved == []
+    assert torch._C._len_torch_function_stack() == 0
+    assert (torch._functorch.config.backward_pass_autocast, torch.get_autocast_dtype("cpu")) == before
+    assert not torch.is_autocast_enabled("cpu") and torch.mm(a, a).dtype == torch.float32

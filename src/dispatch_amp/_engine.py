@@ -97,6 +97,7 @@ between calls, only inside a call it covers, and the function level has a tracin
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 
@@ -164,8 +165,8 @@ class NativeState:
         )
 
 
-def enter(ctx: DeviceContext) -> NativeState:
-    """Opens ``ctx`` on this thread; returns what :func:`leave` restores.
+def enter(ctx: DeviceContext) -> dict[str, DeviceContext]:
+    """Opens ``ctx`` on this thread; returns the region's frame, which :func:`leave` takes.
 
     torch's state is set as ``torch.autocast.__enter__`` sets it (see "Note: torch sees
     our state as native state"), then the frame is pushed.
@@ -182,19 +183,34 @@ def enter(ctx: DeviceContext) -> NativeState:
     frame = dict(current_frame())
     frame[ctx.device_type] = ctx
     try:
-        _push_frame(frame, depth)
+        _push_frame(frame, depth, ctx, saved)
     except BaseException:
         _restore_native(saved)
         raise
-    return saved
+    return frame
 
 
-def leave(saved: NativeState) -> None:
-    """Closes the innermost context opened by :func:`enter` on this thread."""
-    try:
-        _pop_frame()
-    finally:
-        _restore_native(saved)
+def leave(frame: dict[str, DeviceContext]) -> None:
+    """Closes the region whose :func:`enter` returned ``frame``.
+
+    That is the innermost region, except when regions are left out of order (a
+    generator that opened one is finished inside a region its caller opened later):
+    then exactly that region goes, wherever it is ("Note: regions left out of order").
+    """
+    st = STATE
+    index = len(st.frames) - 1
+    if index >= 0 and st.frames[index] is frame:
+        saved = st.saved[index]
+        try:
+            _pop_frame()
+        finally:
+            _restore_native(saved)
+        return
+    for index in range(len(st.frames) - 2, -1, -1):
+        if st.frames[index] is frame:
+            _remove_frame(st, index)
+            return
+    raise RuntimeError("this autocast region is not open on this thread; exit each region once")
 
 
 def _restore_native(saved: NativeState) -> None:
@@ -207,12 +223,14 @@ def _restore_native(saved: NativeState) -> None:
         _functorch_config.backward_pass_autocast = saved.backward_autocast
 
 
-def _push_frame(frame: dict[str, DeviceContext], depth: int) -> None:
+def _push_frame(frame: dict[str, DeviceContext], depth: int, own: DeviceContext, saved: NativeState) -> None:
     st = STATE
     if st.function_mode is None:
         st.function_mode = _FunctionLevel()
     st.frames.append(frame)
     st.depths.append(depth)
+    st.owns.append(own)
+    st.saved.append(saved)
     _refresh(st)
     index = len(st.frames) - 1
     try:
@@ -223,8 +241,7 @@ def _push_frame(frame: dict[str, DeviceContext], depth: int) -> None:
             st.aten_level, st.aten_installer = _AtenLevel(), index
     except BaseException:
         _uninstall(st, index)
-        st.frames.pop()
-        st.depths.pop()
+        _drop(st, index)
         _refresh(st)
         raise
 
@@ -232,12 +249,77 @@ def _push_frame(frame: dict[str, DeviceContext], depth: int) -> None:
 def _pop_frame() -> None:
     st = STATE
     index = len(st.frames) - 1
-    st.frames.pop()
-    st.depths.pop()
+    _drop(st, index)
     try:
         _uninstall(st, index)
     finally:
         _refresh(st)
+
+
+def _drop(st: ThreadState, index: int) -> None:
+    del st.frames[index], st.depths[index], st.owns[index], st.saved[index]
+
+
+# Note: regions left out of order
+# -------------------------------
+# A generator that enters a region and yields hands control back with the region open;
+# if the caller then opens a region of its own and finishes the generator inside it, the
+# generator's region closes while the caller's is innermost. torch.autocast then restores
+# its own saved state under the caller's region, and the caller's exit later restores the
+# generator's state: autocast stays on after both are closed. Ours removes exactly the
+# region that closes: the regions above it keep their own contexts (their frames are
+# rebuilt without it), the next region above of the same device type (and the next one
+# above for the global cache flag and AOTAutograd's setting) will restore what the closed
+# one would have, and a level it installed passes to the next region above that needs
+# it, or leaves torch's mode stack from wherever it is.
+def _remove_frame(st: ThreadState, index: int) -> None:
+    own, saved = st.owns[index], st.saved[index]
+    top = len(st.frames) - 1
+    same_device = next(
+        (j for j in range(index + 1, top + 1) if st.owns[j].device_type == own.device_type), None
+    )
+    if same_device is None:  # nothing above sets this device's state: it returns now
+        _set_native_enabled(own.device_type, saved.enabled)
+        torch.set_autocast_dtype(own.device_type, saved.dtype)
+    else:
+        st.saved[same_device] = dataclasses.replace(
+            saved, backward_autocast=st.saved[same_device].backward_autocast
+        )
+    st.saved[index + 1] = dataclasses.replace(st.saved[index + 1], cache_enabled=saved.cache_enabled)
+    if saved.backward_autocast is not None:
+        changed_too = next(
+            (j for j in range(index + 1, top + 1) if st.saved[j].backward_autocast is not None), None
+        )
+        if changed_too is None:
+            _functorch_config.backward_pass_autocast = saved.backward_autocast
+        else:
+            st.saved[changed_too] = dataclasses.replace(
+                st.saved[changed_too], backward_autocast=saved.backward_autocast
+            )
+    _decrement_nesting()  # a region above is still open: never the outermost
+    _drop(st, index)
+    for j in range(index, len(st.frames)):
+        st.depths[j] -= 1
+        frame = st.frames[j]  # rebuilt in place: it is also that region's handle
+        frame.clear()
+        if j:
+            frame.update(st.frames[j - 1])
+        frame[st.owns[j].device_type] = st.owns[j]
+    for level in ("function", "aten"):
+        installer = getattr(st, f"{level}_installer")
+        if installer > index:
+            setattr(st, f"{level}_installer", installer - 1)
+        elif installer == index:
+            needs = (lambda c: c.enabled) if level == "function" else (lambda c: c.enabled and c.custom)
+            heir = next(
+                (j for j in range(index, len(st.frames)) if any(needs(c) for c in st.frames[j].values())),
+                None,
+            )
+            if heir is not None:
+                setattr(st, f"{level}_installer", heir)
+            else:
+                _uninstall(st, index)
+    _refresh(st)
 
 
 def _uninstall(st: ThreadState, index: int) -> None:
@@ -248,7 +330,26 @@ def _uninstall(st: ThreadState, index: int) -> None:
     if function_level is not None:
         st.function_level, st.function_installer = None, -1
         st.cache.clear()
-        function_level.__exit__(None, None, None)
+        _take_off_function_stack(function_level)
+
+
+def _take_off_function_stack(mode: TorchFunctionMode) -> None:
+    """Removes ``mode`` from torch's function-mode stack wherever it is.
+
+    A mode entered after ours and still open (``with torch.device("meta")`` around the
+    end of a generator that opened our region, say) stays where it is: popping the top,
+    as ``TorchFunctionMode.__exit__`` does, would remove that one instead.
+    """
+    above = []
+    try:
+        while _torch_compat.len_function_stack() > 0:
+            top = _torch_compat.pop_function_stack()
+            if top is mode:
+                return
+            above.append(top)
+    finally:
+        for other in reversed(above):
+            _torch_compat.push_function_stack(other)
 
 
 def current_frame() -> dict[str, DeviceContext]:

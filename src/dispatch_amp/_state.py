@@ -57,6 +57,10 @@ class ThreadState(threading.local):
         self.frames: list[dict[str, DeviceContext]] = []
         # depths[i]: torch's autocast nesting counter right after frame i was entered.
         self.depths: list[int] = []
+        # owns[i]: the context region i itself opened; saved[i]: what torch's state was
+        # before it (_engine.NativeState), restored when it closes.
+        self.owns: list[DeviceContext] = []
+        self.saved: list = []
         # Enabled contexts of the innermost frame; `primary` is set when there is exactly
         # one (the common case), so the hot path needs no device lookup.
         self.active: tuple[DeviceContext, ...] = ()

@@ -242,8 +242,8 @@ class autocast:
         self.policy = policy
         # What the engine opens (frozen: the arguments are checked and never change).
         self._ctx = _engine.DeviceContext(device_type, enabled, dtype, policy, cache_enabled)
-        # thread id -> what each open entry of this object restores on exit (innermost last)
-        self._open: dict[int, list[_engine.NativeState]] = {}
+        # thread id -> the frame of each open entry of this object (innermost last)
+        self._open: dict[int, list[dict]] = {}
         # Regions entered while Dynamo traced: native regions held open, innermost last.
         self._traced: list = []
 
