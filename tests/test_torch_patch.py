@@ -261,3 +261,35 @@ def test_two_threads_starting_patches_at_once_leave_torch_as_it_was(monkeypatch)
         patch.stop()
     assert len(started) == 1 and len(refused) == 1 and "already patched" in refused[0]
     assert (torch.autocast, torch.amp.autocast, torch.amp.GradScaler) == originals
+
+
+def test_torchs_own_objects_pass_isinstance_against_the_patched_names():
+    torch_scaler = torch.amp.GradScaler("cpu")
+    torch_region = torch.autocast("cpu")
+    torch_cpu_region = torch.cpu.amp.autocast()
+    with patch_torch():
+        assert isinstance(torch_scaler, torch.amp.GradScaler)
+        assert isinstance(torch_region, torch.autocast) and isinstance(torch_region, torch.amp.autocast)
+        assert isinstance(torch_cpu_region, torch.cpu.amp.autocast)
+        assert issubclass(torch.amp.grad_scaler.GradScaler, torch.amp.GradScaler)
+        ours = torch.amp.GradScaler("cpu")
+        assert isinstance(ours, torch.amp.GradScaler) and isinstance(ours, amp.GradScaler)
+        assert isinstance(torch.autocast("cpu"), torch.autocast)
+        assert not isinstance(object(), torch.amp.GradScaler)
+    # Objects made under the patch are ours: torch's restored classes do not claim them
+    # (README, "Code that calls torch.autocast").
+    assert not isinstance(ours, torch.amp.GradScaler)
+
+
+def test_a_scaler_made_under_the_patch_pickles_and_saves_whole(tmp_path):
+    import pickle
+
+    with patch_torch():
+        scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+        cpu_scaler = torch.cpu.amp.GradScaler(init_scale=4.0)
+        again = pickle.loads(pickle.dumps(scaler))
+        assert again.get_scale() == 8.0 and isinstance(again, torch.amp.GradScaler)
+    torch.save({"scaler": scaler, "cpu": cpu_scaler}, tmp_path / "whole.pt")  # after the patch, too
+    loaded = torch.load(tmp_path / "whole.pt", weights_only=False)
+    assert loaded["scaler"].get_scale() == 8.0 and loaded["cpu"].get_scale() == 4.0
+    assert loaded["scaler"].state_dict() == scaler.state_dict()

@@ -44,7 +44,7 @@ import torch
 import torch.amp.autocast_mode
 
 from .autocast import autocast
-from .grad_scaler import GradScaler
+from .grad_scaler import GradScaler as _OurGradScaler
 from .policy import Policy
 
 __all__ = ["patch_torch", "TorchPatch"]
@@ -60,11 +60,65 @@ _OUR_DEVICES = ("cpu", "cuda")
 _LOW_DTYPES = (torch.float16, torch.bfloat16)
 
 
+def _torch_class(module, name: str, default: type) -> type:
+    return getattr(getattr(module, "amp", None), name, default)
+
+
+class _TorchsObjectsPass(type):
+    """Metaclass of the classes a patch puts in torch's place.
+
+    ``isinstance(obj, torch.amp.GradScaler)`` must stay True under the patch for torch's
+    own objects, made before it started or by code holding torch's class; so the class
+    installed under torch's name accepts instances and subclasses of the class it
+    replaces (``_replaces``). The other way, objects made under the patch are ours, and
+    after it stops torch's class does not count them as its own (README says so).
+    """
+
+    def __instancecheck__(cls, obj) -> bool:
+        return type.__instancecheck__(cls, obj) or isinstance(obj, cls._replaces)
+
+    def __subclasscheck__(cls, sub) -> bool:
+        return type.__subclasscheck__(cls, sub) or issubclass(sub, cls._replaces)
+
+
+class GradScaler(_OurGradScaler, metaclass=_TorchsObjectsPass):
+    # What the patch installs as torch.amp.GradScaler. Defined here, at module level, so
+    # that pickle finds the class of a scaler made under the patch (torch.save of a whole
+    # scaler, as with torch's), also after the patch stopped.
+    __doc__ = _OurGradScaler.__doc__
+    _replaces = torch.amp.grad_scaler.GradScaler
+
+
+setattr(GradScaler, _MARK, True)
+
+
+def _device_scaler_class(device_type: str) -> type:
+    """The deprecated ``torch.<device>.amp.GradScaler(init_scale, ...)`` without a device."""
+
+    class device_scaler(GradScaler):
+        _replaces = _torch_class(getattr(torch, device_type, None), "GradScaler", GradScaler._replaces)
+
+        def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
+                     growth_interval=2000, enabled=True):
+            super().__init__(device_type, init_scale, growth_factor, backoff_factor,
+                             growth_interval, enabled)
+
+    device_scaler.__name__ = device_scaler.__qualname__ = f"{device_type}_GradScaler"
+    return device_scaler
+
+
+# Module-level names equal to their __qualname__: pickle finds them.
+cpu_GradScaler = _device_scaler_class("cpu")
+cuda_GradScaler = _device_scaler_class("cuda")
+_DEVICE_SCALERS = {"cpu": cpu_GradScaler, "cuda": cuda_GradScaler}
+
+
 def _autocast_class(policy: Policy | None) -> type:
     """``dispatch_amp.autocast`` that takes exactly what ``torch.autocast`` takes."""
 
-    class autocast_with_torch_signature(autocast):
+    class autocast_with_torch_signature(autocast, metaclass=_TorchsObjectsPass):
         __doc__ = autocast.__doc__
+        _replaces = torch.amp.autocast_mode.autocast
 
         def __new__(cls, device_type, dtype=None, enabled=True, cache_enabled=None):
             if isinstance(device_type, str) and device_type not in _OUR_DEVICES:
@@ -114,6 +168,8 @@ def _device_autocast_class(base: type, device_type: str, default_dtype: torch.dt
     """The deprecated ``torch.<device>.amp.autocast(enabled, dtype, cache_enabled)``."""
 
     class device_autocast(base):
+        _replaces = _torch_class(getattr(torch, device_type, None), "autocast", base._replaces)
+
         def __new__(cls, enabled=True, dtype=default_dtype, cache_enabled=True):
             return super().__new__(cls, device_type)
 
@@ -124,28 +180,13 @@ def _device_autocast_class(base: type, device_type: str, default_dtype: torch.dt
     return device_autocast
 
 
-def _device_scaler_class(device_type: str) -> type:
-    """The deprecated ``torch.<device>.amp.GradScaler(init_scale, ...)`` without a device."""
-
-    class device_scaler(GradScaler):
-        def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
-                     growth_interval=2000, enabled=True):
-            super().__init__(device_type, init_scale, growth_factor, backoff_factor,
-                             growth_interval, enabled)
-
-    device_scaler.__name__ = device_scaler.__qualname__ = f"{device_type}_GradScaler"
-    setattr(device_scaler, _MARK, True)
-    return device_scaler
-
-
 def _replacements(policy: Policy | None) -> list[tuple[object, str, object]]:
     """(module, attribute, replacement) for every attribute a patch touches, in order."""
     ours = _autocast_class(policy)
-    scaler = type("GradScaler", (GradScaler,), {_MARK: True, "__doc__": GradScaler.__doc__})
     table: list[tuple[object, str, object]] = [
         (torch, "autocast", ours),
         (torch.amp, "autocast", ours),
-        (torch.amp, "GradScaler", scaler),
+        (torch.amp, "GradScaler", GradScaler),
     ]
     for device_type, default in (("cpu", torch.bfloat16), ("cuda", torch.float16)):
         module = getattr(torch, device_type, None)
@@ -155,7 +196,7 @@ def _replacements(policy: Policy | None) -> list[tuple[object, str, object]]:
         if hasattr(amp_module, "autocast"):
             table.append((amp_module, "autocast", _device_autocast_class(ours, device_type, default)))
         if hasattr(amp_module, "GradScaler"):
-            table.append((amp_module, "GradScaler", _device_scaler_class(device_type)))
+            table.append((amp_module, "GradScaler", _DEVICE_SCALERS[device_type]))
     return table
 
 
