@@ -7,6 +7,7 @@ errors. See "Note: torch sees our state as native state" in ``_engine.py``.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 
@@ -474,3 +475,29 @@ def test_transformer_fast_path_is_skipped_under_ours_as_documented():
                 got = layer(src, **kwargs)
         assert want.dtype == torch.bfloat16 and got.dtype == torch.float32
         torch.testing.assert_close(got, want.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("variant", sorted(CHECKPOINTS))
+def test_torch_checkpoint_under_patch_torch_with_a_policy_recomputes_under_it(variant):
+    # Unmodified code: torch.autocast (patched: ours with the policy) and torch's own
+    # checkpoint, whose recomputation reopens torch.amp.autocast by name, ours while the
+    # patch is active. Same outputs and gradients as without checkpointing.
+    results = {}
+    for checkpointed in (False, True):
+        model = block()
+        x = torch.randn(4, 16, requires_grad=True, generator=torch.Generator().manual_seed(1))
+        with pytest.warns(amp.AmpNumericsWarning, match="backward inside the patch") if checkpointed \
+                else contextlib.nullcontext():
+            with amp.patch_torch(policy=KEEP_MM_FP32):
+                with torch.autocast("cpu"):
+                    out = CHECKPOINTS[variant](model, x) if checkpointed else model(x)
+                out.float().sum().backward()
+        results[checkpointed] = (out, *grads(model, x))
+    same(results[True], results[False])
+
+
+def test_the_refusal_names_a_derived_policy_as_derived():
+    model = block()
+    derived = amp.Policy.for_device("cpu").with_ops(fp32=["mm", "linear", "addmm"])
+    with ours(policy=derived), pytest.raises(RuntimeError, match="policy \"derived from 'cpu'\""):
+        torch_checkpoint.checkpoint(model, torch.randn(4, 16, requires_grad=True), use_reentrant=False)

@@ -521,10 +521,12 @@ def _call_aside(st: ThreadState, func, args, kwargs, kind=None, ctx: DeviceConte
 
 # -- torch.utils.checkpoint under a policy that is not native's -------------------------
 # torch's checkpoint records torch's autocast state at the forward and recomputes under
-# torch.autocast with it during backward. Under a built-in policy that is our state (the
-# same dtype and the same table), so the recomputation equals the forward. Under a policy
-# whose kind for an op differs from native's, the recomputation would cast that op
+# torch.amp.autocast with it during backward. Under a built-in policy that is our state
+# (the same dtype and the same table), so the recomputation equals the forward. Under a
+# policy whose kind for an op differs from native's, the recomputation would cast that op
 # differently: refuse, and name dispatch_amp.checkpoint, which recomputes under ours.
+# Except under patch_torch with this very policy: torch.amp.autocast is then ours, and the
+# recomputation too (the patch warns when it stops if a backward could come after it).
 _REENTRANT_CHECKPOINT_CODE = _torch_compat.reentrant_checkpoint_function.forward.__code__
 _DIFFERS_FROM_NATIVE: dict = {}
 
@@ -541,6 +543,8 @@ def _refuse_torch_checkpoint(ctx: DeviceContext, func, kind) -> None:
     except TypeError:  # an unhashable callable: never in a table
         return
     if differs and _inside_torch_checkpoint():
+        if _recomputes_under_patch(ctx):
+            return
         native = routes_for(Policy.for_device(ctx.device_type)).function_route(func)
         raise RuntimeError(
             f"torch.utils.checkpoint inside dispatch_amp.autocast with policy "
@@ -550,6 +554,19 @@ def _refuse_torch_checkpoint(ctx: DeviceContext, func, kind) -> None:
             f"so the recomputed activations would differ from the forward's. Use "
             f"dispatch_amp.checkpoint (same arguments), which recomputes under this policy."
         )
+
+
+def _recomputes_under_patch(ctx: DeviceContext) -> bool:
+    """Whether torch's checkpoint would recompute under ``ctx``'s policy: patch_torch is
+    active with it, so the torch.amp.autocast that torch reopens is ours."""
+    opened_by = torch.amp.autocast
+    if not getattr(opened_by, "_dispatch_amp_patch", False):
+        return False
+    policy = getattr(opened_by, "_patch_policy", None) or Policy.for_device(ctx.device_type)
+    if policy._key != ctx.policy._key:
+        return False
+    opened_by._checkpointed_under_policy = True  # read by TorchPatch.stop()
+    return True
 
 
 def _inside_torch_checkpoint() -> bool:

@@ -162,6 +162,8 @@ class Policy:
     ) -> Policy:
         """A copy with ops added, or moved to another kind if they were already listed.
 
+        ``name`` defaults to ``"derived from '<this policy's name>'"``.
+
         Example::
 
             Policy.for_device("cuda").with_ops(lower=["torch_ext::fused_gelu"], fp32=["mm"])
@@ -172,7 +174,7 @@ class Policy:
         )
         rules = dict(self._rules)
         rules.update(changes)
-        return Policy._from_rules(rules, name or self.name)
+        return Policy._from_rules(rules, name or _derived_name(self.name))
 
     def without_ops(self, *ops: OpLike, name: str | None = None) -> Policy:
         """A copy in which ``ops`` are no longer cast (they run with their inputs as given).
@@ -187,7 +189,7 @@ class Policy:
             if qualified not in rules:
                 raise ValueError(f"{qualified} is not in policy {self.name!r}, nothing to remove")
             del rules[qualified]
-        return Policy._from_rules(rules, name or self.name)
+        return Policy._from_rules(rules, name or _derived_name(self.name))
 
     @classmethod
     def _from_rules(cls, rules: Mapping[str, CastKind], name: str) -> Policy:
@@ -211,6 +213,12 @@ class Policy:
     def __repr__(self) -> str:
         counts = ", ".join(f"{kind}={len(self.ops(kind))}" for kind in KINDS)
         return f"Policy(name={self.name!r}, {counts})"
+
+
+def _derived_name(base: str) -> str:
+    # A derived policy is not its base: errors and reprs must not call it by the base's
+    # name ("policy 'cpu'" reads as the built-in table).
+    return base if base.startswith("derived from ") else f"derived from {base!r}"
 
 
 def _policy_from_rules(rules: Mapping[str, str], name: str) -> Policy:

@@ -46,6 +46,7 @@ import torch.amp.autocast_mode
 from .autocast import autocast
 from .grad_scaler import GradScaler as _OurGradScaler
 from .policy import Policy
+from .warning_types import AmpNumericsWarning
 
 __all__ = ["patch_torch", "TorchPatch"]
 
@@ -161,6 +162,9 @@ def _autocast_class(policy: Policy | None) -> type:
             return super().__call__(func)
 
     setattr(autocast_with_torch_signature, _MARK, True)
+    # The engine reads it: torch's checkpoint reopens torch.amp.autocast, this class, for
+    # its recomputation, so under this policy that recomputation is ours.
+    autocast_with_torch_signature._patch_policy = policy
     return autocast_with_torch_signature
 
 
@@ -273,9 +277,20 @@ class TorchPatch:
         with _SWAP_LOCK:
             if self._saved is None:
                 raise RuntimeError("stop() was called on a patch that is not started; call start() first")
+            installed = torch.amp.autocast
             for module, name, original in reversed(self._saved):
                 setattr(module, name, original)
             self._saved = None
+        if getattr(installed, "_checkpointed_under_policy", False):
+            warnings.warn(
+                f"torch.utils.checkpoint ran under this patch with policy "
+                f"{self.policy.name!r}: its recomputation reopens torch.amp.autocast, which "
+                f"is dispatch_amp's only while the patch is active. A backward() run after "
+                f"stop() would recompute under native torch.autocast, with other casts than "
+                f"the forward's. Run backward inside the patch, or use dispatch_amp.checkpoint.",
+                AmpNumericsWarning,
+                stacklevel=2,
+            )
 
     def __enter__(self) -> TorchPatch:
         return self.start()
