@@ -14,7 +14,9 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -501,3 +503,55 @@ def test_the_refusal_names_a_derived_policy_as_derived():
     derived = amp.Policy.for_device("cpu").with_ops(fp32=["mm", "linear", "addmm"])
     with ours(policy=derived), pytest.raises(RuntimeError, match="policy \"derived from 'cpu'\""):
         torch_checkpoint.checkpoint(model, torch.randn(4, 16, requires_grad=True), use_reentrant=False)
+
+
+# -- a backward that re-enters autocast -------------------------------------------------
+# torch runs an autograd Function's backward with the function-mode stack emptied; a
+# region opened there must still be ours.
+class _Linear(torch.autograd.Function):
+    region = None  # set by each test: the region the backward re-enters
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return F.linear(x, w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        with _Linear.region():
+            dx = torch.mm(grad, w)
+            dw = torch.mm(x.transpose(0, 1), grad).transpose(0, 1)
+        _Linear.seen = (dx.dtype, dw.dtype)
+        return dx, dw
+
+
+class _WeightCasts(TorchDispatchMode):
+    def __init__(self, weight):
+        super().__init__()
+        self.weight, self.count = weight, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and args[0] is self.weight:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_backward_that_reenters_autocast_reuses_the_forwards_weight_cast():
+    counts = {}
+    for region in (native, ours):
+        _Linear.region = region
+        x, w = torch.randn(2, 3), nn.Parameter(torch.randn(4, 3))
+        with _WeightCasts(w) as casts:
+            with region():
+                _Linear.apply(x, w).sum().backward()  # backward inside the region
+        counts[region] = casts.count
+    assert counts[ours] == counts[native] == 1
+
+
+def test_a_backward_that_reenters_our_region_follows_its_policy():
+    _Linear.region = lambda: ours(policy=KEEP_MM_FP32)
+    x, w = torch.randn(2, 3), nn.Parameter(torch.randn(4, 3))
+    with ours():
+        _Linear.apply(x, w).float().sum().backward()  # backward inside the outer region
+    assert _Linear.seen == (torch.float32, torch.float32)  # mm kept in float32 by the policy

@@ -237,6 +237,13 @@ def _push_frame(frame: dict[str, DeviceContext], depth: int, own: DeviceContext,
         if st.function_level is None and st.active:
             st.function_mode.__enter__()
             st.function_level, st.function_installer = st.function_mode, index
+        elif st.active and not _on_function_stack(st.function_level):
+            # torch runs an autograd Function's backward with the function-mode stack
+            # emptied: a region opened there (custom_bwd, a backward that re-enters
+            # autocast) puts the level back for its own span, so its calls are cast by
+            # the policy and share the forward's weight-cast cache, as native's do.
+            st.function_mode.__enter__()
+            st.function_repushers.append(index)
         if st.aten_level is None and st.native_devices:
             st.aten_level, st.aten_installer = _AtenLevel(), index
     except BaseException:
@@ -305,6 +312,10 @@ def _remove_frame(st: ThreadState, index: int) -> None:
         if j:
             frame.update(st.frames[j - 1])
         frame[st.owns[j].device_type] = st.owns[j]
+    if index in st.function_repushers:
+        st.function_repushers.remove(index)
+        _take_off_function_stack(st.function_mode)
+    st.function_repushers[:] = [j - 1 if j > index else j for j in st.function_repushers]
     for level in ("function", "aten"):
         installer = getattr(st, f"{level}_installer")
         if installer > index:
@@ -322,8 +333,16 @@ def _remove_frame(st: ThreadState, index: int) -> None:
     _refresh(st)
 
 
+def _on_function_stack(mode: TorchFunctionMode) -> bool:
+    stack_at = _torch_compat.function_stack_at
+    return any(stack_at(i) is mode for i in range(_torch_compat.len_function_stack()))
+
+
 def _uninstall(st: ThreadState, index: int) -> None:
     """Takes off the levels that the region at frame ``index`` installed."""
+    if index in st.function_repushers:
+        st.function_repushers.remove(index)
+        _take_off_function_stack(st.function_mode)
     if st.aten_installer == index:
         st.aten_level, st.aten_installer = None, -1
     function_level = st.function_level if st.function_installer == index else None

@@ -83,6 +83,10 @@ class ThreadState(threading.local):
         self.aten_level: TorchDispatchMode | None = None
         self.aten_installer: int = -1
         self.function_mode: TorchFunctionMode | None = None  # made on first use
+        # Frames that pushed the installed function level again, where torch ran them
+        # with an empty function-mode stack (see _engine._push_frame); each takes it off
+        # when it closes.
+        self.function_repushers: list[int] = []
         # Weight-cast cache: (id(src), dtype) -> (src, src._version, cast).
         self.cache: dict = {}
         # Python composites currently being expanded (guards against re-dispatch loops).

@@ -11,9 +11,11 @@ What each is for:
   ``_pop_torch_dispatch_stack``, ``_push_on_torch_dispatch_stack``): the function level
   puts the aten level on the stack around the calls where it has work
   (``_engine._call_aside``);
-- the function-mode stack (``_len_torch_function_stack``, ``_pop_torch_function_stack``,
-  ``_push_on_torch_function_stack``): a region takes the function level off the stack
-  from wherever it is, not from the top (``_engine._take_off_function_stack``);
+- the function-mode stack (``_len_torch_function_stack``, ``_get_function_stack_at``,
+  ``_pop_torch_function_stack``, ``_push_on_torch_function_stack``): a region takes the
+  function level off the stack from wherever it is, not from the top
+  (``_engine._take_off_function_stack``), and puts it back where torch emptied the stack
+  (an autograd Function's backward);
 - ``_dispatch_tls_is_dispatch_key_excluded``: whether torch has switched autocast off
   below Python for this thread, as it does while a compiled graph runs (its casts are
   already in the graph), so the function level stands aside there too;
@@ -69,6 +71,7 @@ reentrant_checkpoint_function = _lookup(
 tensor_is_view = _lookup(torch.Tensor, "torch.Tensor", "_is_view")
 dispatch_key_excluded = _lookup(torch._C, "torch._C", "_dispatch_tls_is_dispatch_key_excluded")
 len_function_stack = _lookup(torch._C, "torch._C", "_len_torch_function_stack")
+function_stack_at = _lookup(torch._C, "torch._C", "_get_function_stack_at")
 pop_function_stack = _lookup(torch._C, "torch._C", "_pop_torch_function_stack")
 push_function_stack = _lookup(torch._C, "torch._C", "_push_on_torch_function_stack")
 _registrations_for_key = _lookup(
