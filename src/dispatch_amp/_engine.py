@@ -139,6 +139,7 @@ _functorch_config = torch._functorch.config
 _increment_nesting = torch.autocast_increment_nesting
 _decrement_nesting = torch.autocast_decrement_nesting
 _set_native_enabled = torch.set_autocast_enabled
+_functorch_active = _torch_compat.functorch_transforms_active
 
 
 # -- entering and leaving a context -----------------------------------------------------
@@ -402,6 +403,12 @@ class _FunctionLevel(TorchFunctionMode):
             return trace_call(self, func, args, kwargs or {})
         kwargs = kwargs or _NO_KWARGS
         st = STATE
+        if not st.native_devices and _functorch_active():
+            # Inside torch.func transforms (vmap, grad, jacrev) native autocast casts some
+            # calls and not others (under vmap, linear with a bias, addmm, conv1d and
+            # baddbmm stay float32): under a built-in policy torch's state is ours, so
+            # native decides every call there, exactly as without us.
+            return func(*args, **kwargs)
         if func.__class__ is _OpOverload and not st.native_devices:
             # An aten overload called as such: the ops of a compiled graph, or torch.ops.
             # Under a built-in policy native autocast casts it in the dispatcher, as it

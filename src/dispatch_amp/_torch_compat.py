@@ -16,6 +16,8 @@ What each is for:
   function level off the stack from wherever it is, not from the top
   (``_engine._take_off_function_stack``), and puts it back where torch emptied the stack
   (an autograd Function's backward);
+- ``_are_functorch_transforms_active``: inside torch.func transforms the function level
+  leaves calls to native autocast under a built-in policy;
 - ``_dispatch_tls_is_dispatch_key_excluded``: whether torch has switched autocast off
   below Python for this thread, as it does while a compiled graph runs (its casts are
   already in the graph), so the function level stands aside there too;
@@ -71,6 +73,7 @@ reentrant_checkpoint_function = _lookup(
 tensor_is_view = _lookup(torch.Tensor, "torch.Tensor", "_is_view")
 dispatch_key_excluded = _lookup(torch._C, "torch._C", "_dispatch_tls_is_dispatch_key_excluded")
 len_function_stack = _lookup(torch._C, "torch._C", "_len_torch_function_stack")
+functorch_transforms_active = _lookup(torch._C, "torch._C", "_are_functorch_transforms_active")
 function_stack_at = _lookup(torch._C, "torch._C", "_get_function_stack_at")
 pop_function_stack = _lookup(torch._C, "torch._C", "_pop_torch_function_stack")
 push_function_stack = _lookup(torch._C, "torch._C", "_push_on_torch_function_stack")
