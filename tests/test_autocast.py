@@ -1,5 +1,6 @@
 """autocast: arguments, nesting, threads, native's casting rules, cache, autograd interplay."""
 
+import sys
 import threading
 
 
@@ -553,3 +554,66 @@ def test_regions_closed_in_any_order_leave_the_innermost_in_force_and_nothing_be
     assert torch._C._len_torch_function_stack() == 0
     assert (torch._functorch.config.backward_pass_autocast, torch.get_autocast_dtype("cpu")) == before
     assert not torch.is_autocast_enabled("cpu") and torch.mm(a, a).dtype == torch.float32
+
+
+# -- interrupts (Ctrl-C) ----------------------------------------------------------------
+_PACKAGE = amp.__file__.rsplit("/", 1)[0]
+
+
+def _torch_state():
+    torch.autocast_increment_nesting()
+    nesting = torch.autocast_decrement_nesting()
+    st = _engine.STATE
+    return (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), nesting,
+            torch._C._len_torch_function_stack(), len(st.frames), len(st.owns), len(st.saved),
+            st.function_level is not None, st.aten_level is not None,
+            torch._functorch.config.backward_pass_autocast)
+
+
+def _interrupt_at(k, make):
+    """Runs `with make(): pass`, raising KeyboardInterrupt at the k-th line of our code it
+    runs (0: never); returns the number of lines and the function interrupted."""
+    count, where = [0], [None]
+
+    def tracer(frame, event, arg):
+        if event == "call":
+            return tracer if frame.f_code.co_filename.startswith(_PACKAGE) else None
+        if event == "line":
+            count[0] += 1
+            if count[0] == k:
+                where[0] = frame.f_code.co_name
+                raise KeyboardInterrupt
+        return tracer
+
+    region = make()
+    sys.settrace(tracer)
+    try:
+        with region:
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.settrace(None)
+    return count[0], where[0], region
+
+
+@pytest.mark.parametrize("policy", [None, amp.Policy.for_device("cpu").with_ops(fp32=["mm"])],
+                         ids=["built-in", "own"])
+def test_an_interrupt_anywhere_in_enter_or_exit_leaves_the_region_fully_open_or_closed(policy):
+    def make():
+        return amp.autocast("cpu", policy=policy)
+
+    closed = _torch_state()
+    with make():
+        opened = _torch_state()
+    lines, _, _ = _interrupt_at(0, make)
+    left_open = []
+    for k in range(1, lines + 1):
+        _, where, region = _interrupt_at(k, make)
+        state = _torch_state()
+        assert state in (closed, opened), f"interrupted at line {k} ({where}): partial state {state}"
+        if state == opened:  # only before __exit__ changed anything: close it as `with` would
+            left_open.append(where)
+            region.__exit__(None, None, None)
+            assert _torch_state() == closed
+    assert set(left_open) <= {"__exit__"} and len(left_open) <= 2, left_open

@@ -170,25 +170,33 @@ def enter(ctx: DeviceContext) -> dict[str, DeviceContext]:
     """Opens ``ctx`` on this thread; returns the region's frame, which :func:`leave` takes.
 
     torch's state is set as ``torch.autocast.__enter__`` sets it (see "Note: torch sees
-    our state as native state"), then the frame is pushed.
+    our state as native state"), then the frame is pushed. An exception part-way (an
+    interrupt, see "Note: interrupts") undoes what was done: the region is not open.
     """
-    backward_autocast = None
-    if ctx.enabled and ctx.custom:  # a config read and write cost microseconds: only here
-        backward_autocast = _functorch_config.backward_pass_autocast
-        _functorch_config.backward_pass_autocast = "off"
-    saved = NativeState.read(ctx.device_type, backward_autocast)
-    _set_native_enabled(ctx.device_type, ctx.enabled)
-    torch.set_autocast_dtype(ctx.device_type, ctx.dtype)
-    depth = _increment_nesting()
-    torch.set_autocast_cache_enabled(ctx.cache_enabled)
-    frame = dict(current_frame())
-    frame[ctx.device_type] = ctx
+    st = STATE
+    changes_backward = ctx.enabled and ctx.custom  # a config read and write cost microseconds
+    saved = NativeState.read(
+        ctx.device_type, _functorch_config.backward_pass_autocast if changes_backward else None
+    )
+    below = len(st.frames)
+    depth = None
     try:
-        _push_frame(frame, depth, ctx, saved)
+        if changes_backward:
+            _functorch_config.backward_pass_autocast = "off"
+        _set_native_enabled(ctx.device_type, ctx.enabled)
+        torch.set_autocast_dtype(ctx.device_type, ctx.dtype)
+        depth = _increment_nesting()
+        torch.set_autocast_cache_enabled(ctx.cache_enabled)
+        frame = dict(current_frame())
+        frame[ctx.device_type] = ctx
+        _push_frame(st, frame, depth, ctx, saved)
+        return frame
     except BaseException:
-        _restore_native(saved)
+        del st.frames[below:], st.depths[below:], st.owns[below:], st.saved[below:]
+        _uninstall(st, below)
+        _refresh(st)
+        _restore_native(saved, None if depth is None else _decrement_nesting())
         raise
-    return frame
 
 
 def leave(frame: dict[str, DeviceContext]) -> None:
@@ -197,25 +205,55 @@ def leave(frame: dict[str, DeviceContext]) -> None:
     That is the innermost region, except when regions are left out of order (a
     generator that opened one is finished inside a region its caller opened later):
     then exactly that region goes, wherever it is ("Note: regions left out of order").
+    An exception part-way (an interrupt) finishes closing before it propagates.
     """
     st = STATE
     index = len(st.frames) - 1
-    if index >= 0 and st.frames[index] is frame:
-        saved = st.saved[index]
-        try:
-            _pop_frame()
-        finally:
-            _restore_native(saved)
-        return
-    for index in range(len(st.frames) - 2, -1, -1):
-        if st.frames[index] is frame:
-            _remove_frame(st, index)
-            return
-    raise RuntimeError("this autocast region is not open on this thread; exit each region once")
+    if index < 0 or st.frames[index] is not frame:
+        for index in range(len(st.frames) - 2, -1, -1):
+            if st.frames[index] is frame:
+                _remove_frame(st, index)
+                return
+        raise RuntimeError("this autocast region is not open on this thread; exit each region once")
+    saved = st.saved[index]
+    remaining = None
+    try:
+        _drop(st, index)
+        _uninstall(st, index)
+        _refresh(st)
+        remaining = _decrement_nesting()
+        _restore_native(saved, remaining)
+    except BaseException:
+        # Every step below is safe to repeat; only the nesting counter is counted.
+        if index < len(st.frames) and st.frames[index] is frame:
+            _drop(st, index)
+        _uninstall(st, index)
+        _refresh(st)
+        if remaining is None:
+            remaining = _decrement_nesting()
+        _restore_native(saved, remaining)
+        raise
 
 
-def _restore_native(saved: NativeState) -> None:
-    if _decrement_nesting() == 0:
+def is_open(frame: dict[str, DeviceContext]) -> bool:
+    """Whether the region whose :func:`enter` returned ``frame`` is open on this thread."""
+    return any(f is frame for f in STATE.frames)
+
+
+# Note: interrupts
+# ----------------
+# A KeyboardInterrupt can arrive between any two lines of Python. enter() and leave()
+# therefore change state in an order they can undo or finish: enter() records what it
+# is about to install before installing it (a level recorded but not yet pushed is
+# taken off as a no-op) and rolls everything back on any exception; leave() marks each
+# step done only after doing it, and on an exception repeats the steps not marked done
+# before letting the exception go on. So one interrupt leaves a region fully open or
+# fully closed, never torch's state half restored (the autocast object does the same
+# for its own bookkeeping). tests/test_autocast.py interrupts every line of both.
+def _restore_native(saved: NativeState, remaining: int | None) -> None:
+    """Puts back torch's state as ``saved`` holds it; ``remaining``: the nesting counter
+    after this region's decrement (0 clears native's cast cache, as torch does)."""
+    if remaining == 0:
         torch.clear_autocast_cache()
     _set_native_enabled(saved.device_type, saved.enabled)
     torch.set_autocast_dtype(saved.device_type, saved.dtype)
@@ -224,8 +262,9 @@ def _restore_native(saved: NativeState) -> None:
         _functorch_config.backward_pass_autocast = saved.backward_autocast
 
 
-def _push_frame(frame: dict[str, DeviceContext], depth: int, own: DeviceContext, saved: NativeState) -> None:
-    st = STATE
+def _push_frame(
+    st: ThreadState, frame: dict[str, DeviceContext], depth: int, own: DeviceContext, saved: NativeState
+) -> None:
     if st.function_mode is None:
         st.function_mode = _FunctionLevel()
     st.frames.append(frame)
@@ -234,34 +273,19 @@ def _push_frame(frame: dict[str, DeviceContext], depth: int, own: DeviceContext,
     st.saved.append(saved)
     _refresh(st)
     index = len(st.frames) - 1
-    try:
-        if st.function_level is None and st.active:
-            st.function_mode.__enter__()
-            st.function_level, st.function_installer = st.function_mode, index
-        elif st.active and not _on_function_stack(st.function_level):
-            # torch runs an autograd Function's backward with the function-mode stack
-            # emptied: a region opened there (custom_bwd, a backward that re-enters
-            # autocast) puts the level back for its own span, so its calls are cast by
-            # the policy and share the forward's weight-cast cache, as native's do.
-            st.function_mode.__enter__()
-            st.function_repushers.append(index)
-        if st.aten_level is None and st.native_devices:
-            st.aten_level, st.aten_installer = _AtenLevel(), index
-    except BaseException:
-        _uninstall(st, index)
-        _drop(st, index)
-        _refresh(st)
-        raise
-
-
-def _pop_frame() -> None:
-    st = STATE
-    index = len(st.frames) - 1
-    _drop(st, index)
-    try:
-        _uninstall(st, index)
-    finally:
-        _refresh(st)
+    # Each level is recorded before it goes on torch's stack (see "Note: interrupts").
+    if st.function_level is None and st.active:
+        st.function_level, st.function_installer = st.function_mode, index
+        _push_function_mode(st.function_mode)
+    elif st.active and not _on_function_stack(st.function_level):
+        # torch runs an autograd Function's backward with the function-mode stack
+        # emptied: a region opened there (custom_bwd, a backward that re-enters
+        # autocast) puts the level back for its own span, so its calls are cast by
+        # the policy and share the forward's weight-cast cache, as native's do.
+        st.function_repushers.append(index)
+        _push_function_mode(st.function_mode)
+    if st.aten_level is None and st.native_devices:
+        st.aten_level, st.aten_installer = _AtenLevel(), index
 
 
 def _drop(st: ThreadState, index: int) -> None:
@@ -314,8 +338,8 @@ def _remove_frame(st: ThreadState, index: int) -> None:
             frame.update(st.frames[j - 1])
         frame[st.owns[j].device_type] = st.owns[j]
     if index in st.function_repushers:
-        st.function_repushers.remove(index)
         _take_off_function_stack(st.function_mode)
+        st.function_repushers.remove(index)
     st.function_repushers[:] = [j - 1 if j > index else j for j in st.function_repushers]
     for level in ("function", "aten"):
         installer = getattr(st, f"{level}_installer")
@@ -340,17 +364,24 @@ def _on_function_stack(mode: TorchFunctionMode) -> bool:
 
 
 def _uninstall(st: ThreadState, index: int) -> None:
-    """Takes off the levels that the region at frame ``index`` installed."""
+    """Takes off the levels that the region at frame ``index`` installed.
+
+    Safe to repeat after an interruption: each record is cleared after its level is off.
+    """
     if index in st.function_repushers:
-        st.function_repushers.remove(index)
         _take_off_function_stack(st.function_mode)
+        st.function_repushers.remove(index)
     if st.aten_installer == index:
         st.aten_level, st.aten_installer = None, -1
-    function_level = st.function_level if st.function_installer == index else None
-    if function_level is not None:
-        st.function_level, st.function_installer = None, -1
+    if st.function_installer == index:
+        _take_off_function_stack(st.function_level)
         st.cache.clear()
-        _take_off_function_stack(function_level)
+        st.function_level, st.function_installer = None, -1
+
+
+def _push_function_mode(mode: TorchFunctionMode) -> None:
+    # TorchFunctionMode.__enter__ in one C call, with nothing after it to interrupt.
+    _torch_compat.push_function_stack(mode)
 
 
 def _take_off_function_stack(mode: TorchFunctionMode) -> None:

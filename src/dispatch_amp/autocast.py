@@ -30,6 +30,8 @@ from .warning_types import CompileFallbackWarning
 __all__ = ["autocast", "is_autocast_enabled", "get_autocast_dtype", "clear_autocast_cache", "CompileFallbackWarning"]
 
 
+# "Not done yet" for the values __enter__/__exit__ clean up after an exception.
+_NOTHING = object()
 _is_compiling = torch.compiler.is_dynamo_compiling
 _disarm_dynamo = _torch_compat.disarm_dynamo
 _rearm_dynamo = _torch_compat.rearm_dynamo
@@ -262,58 +264,94 @@ class autocast:
                 self._traced.append(region)
                 return self
             return self._enter_eagerly()
-        dynamo_hook = _disarm_dynamo()
+        # Any exception from here on (an interrupt too, see "Note: interrupts" in
+        # _engine.py) leaves the region closed: `with` runs neither the body nor __exit__.
+        dynamo_hook = frame = _NOTHING
         try:
+            dynamo_hook = _disarm_dynamo()
             if dynamo_hook is not None:  # eager code of a compiled function
                 _warn_if_inside_compiled()
-            self._enter()
-        finally:
+            frame = _engine.enter(self._ctx)
+            self._open.setdefault(threading.get_ident(), []).append(frame)
+            if self.enabled:
+                key = (self.device_type, self.fast_dtype)
+                _ENTERED.counts[key] = _ENTERED.counts.get(key, 0) + 1
             _rearm_dynamo(dynamo_hook)
-        return self
+            return self
+        except BaseException:
+            if frame is not _NOTHING:
+                self._forget(frame)
+                if _engine.is_open(frame):
+                    _engine.leave(frame)
+            if dynamo_hook is not _NOTHING:
+                _rearm_dynamo(dynamo_hook)
+            raise
 
     @torch.compiler.disable
     def _enter_eagerly(self) -> autocast:
         return self.__enter__()
 
-    def _enter(self) -> None:
-        saved = _engine.enter(self._ctx)
-        self._open.setdefault(threading.get_ident(), []).append(saved)
-        if self.enabled:
-            key = (self.device_type, self.fast_dtype)
-            _ENTERED.counts[key] = _ENTERED.counts.get(key, 0) + 1
-
     def __exit__(self, exc_type, exc, tb) -> None:
-        if _is_compiling():
-            if self._traced:
-                next(self._traced.pop(), None)  # leaves the native region
-                return None
-            return self._exit_eagerly(exc_type, exc, tb)
-        dynamo_hook = _disarm_dynamo()
+        # The region this exit closes, once chosen (None once closed): after an exception
+        # part-way (an interrupt), closing goes on to the end before it propagates.
+        closing = dynamo_hook = _NOTHING
         try:
-            self._exit()
-        finally:
+            if _is_compiling():
+                if self._traced:
+                    next(self._traced.pop(), None)  # leaves the native region
+                    return None
+                return self._exit_eagerly(exc_type, exc, tb)
+            dynamo_hook = _disarm_dynamo()
+            closing = self._innermost_entry()
+            _engine.leave(closing)
+            self._forget(closing)
+            closing = None
             _rearm_dynamo(dynamo_hook)
-        return None
+            return None
+        except BaseException:
+            if closing is _NOTHING and not _is_compiling():
+                closing = self._innermost_entry(missing=None)
+            if closing is not None and closing is not _NOTHING:
+                if _engine.is_open(closing):
+                    _engine.leave(closing)
+                self._forget(closing)
+            if dynamo_hook is not _NOTHING:
+                _rearm_dynamo(dynamo_hook)
+            raise
 
     @torch.compiler.disable
     def _exit_eagerly(self, exc_type, exc, tb) -> None:
-        self._exit()
+        frame = self._innermost_entry()
+        _engine.leave(frame)
+        self._forget(frame)
 
-    def _exit(self) -> None:
+    def _innermost_entry(self, missing=_NOTHING):
+        """The frame of this object's innermost open entry in this thread; without one,
+        ``missing`` if given, else an error that says where it is open."""
         thread = threading.get_ident()
         entries = self._open.get(thread)
+        if entries:
+            return entries[-1]
+        if missing is not _NOTHING:
+            return missing
+        elsewhere = sorted(t for t, e in self._open.items() if e)
+        where = f"it is open in thread(s) {elsewhere}" if elsewhere else "it is not open in any thread"
+        raise RuntimeError(
+            f"autocast.__exit__ called in thread {thread} without a matching __enter__ "
+            f"in that thread ({where}). Autocast state is per thread: exit a context in "
+            f"the thread that entered it, and open one with `with autocast(...)` in each thread."
+        )
+
+    def _forget(self, frame: dict) -> None:
+        """Drops ``frame`` from this object's open entries in this thread, if it is there."""
+        thread = threading.get_ident()
+        entries = self._open.get(thread, [])
+        for i in range(len(entries) - 1, -1, -1):
+            if entries[i] is frame:
+                del entries[i]
+                break
         if not entries:
-            elsewhere = sorted(t for t, e in self._open.items() if e)
-            where = f"it is open in thread(s) {elsewhere}" if elsewhere else "it is not open in any thread"
-            raise RuntimeError(
-                f"autocast.__exit__ called in thread {thread} without a matching __enter__ "
-                f"in that thread ({where}). Autocast state is per thread: exit a context in "
-                f"the thread that entered it, and open one with `with autocast(...)` in each thread."
-            )
-        saved = entries.pop()
-        if not entries:
-            del self._open[thread]
-        _engine.leave(saved)
+            self._open.pop(thread, None)
 
     def __call__(self, func):
         """Decorates ``func`` to run inside this context (generator functions are refused)."""
@@ -417,6 +455,6 @@ def clear_autocast_cache() -> None:
 
 # Dynamo must never compile these as frames of their own (eager code of a compiled
 # function calls them with its frame hook armed); it still inlines them when it traces.
-for _method in (autocast.__enter__, autocast.__exit__, autocast._enter, autocast._exit):
+for _method in (autocast.__enter__, autocast.__exit__, autocast._innermost_entry, autocast._forget):
     _torch_compat.skip_code(_method.__code__)
 del _method
