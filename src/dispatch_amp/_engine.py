@@ -434,16 +434,13 @@ class _FunctionLevel(TorchFunctionMode):
             return trace_call(self, func, args, kwargs or {})
         kwargs = kwargs or _NO_KWARGS
         st = STATE
-        if not st.native_devices and _functorch_active():
-            # Inside torch.func transforms (vmap, grad, jacrev) native autocast casts some
-            # calls and not others (under vmap, linear with a bias, addmm, conv1d and
-            # baddbmm stay float32): under a built-in policy torch's state is ours, so
-            # native decides every call there, exactly as without us.
-            return func(*args, **kwargs)
-        if func.__class__ is _OpOverload and not st.native_devices:
-            # An aten overload called as such: the ops of a compiled graph, or torch.ops.
-            # Under a built-in policy native autocast casts it in the dispatcher, as it
-            # would without us (see "Note: torch sees our state as native state").
+        if not st.native_devices and (func.__class__ is _OpOverload or _functorch_active()):
+            # Under a built-in policy native autocast decides, as it would without us (see
+            # "Note: torch sees our state as native state"): an aten overload called as
+            # such (the ops of a compiled graph, or torch.ops) is cast in the dispatcher;
+            # inside torch.func transforms (vmap, grad, jacrev) native casts some calls
+            # and not others (under vmap, linear with a bias, addmm, conv1d and baddbmm
+            # stay float32), so every call there is left to it.
             return func(*args, **kwargs)
         ctx = st.primary
         if ctx is None:
@@ -620,7 +617,7 @@ def _recomputes_under_patch(ctx: DeviceContext) -> bool:
     if not getattr(opened_by, "_dispatch_amp_patch", False):
         return False
     policy = getattr(opened_by, "_patch_policy", None) or Policy.for_device(ctx.device_type)
-    if policy._key != ctx.policy._key:
+    if policy != ctx.policy:
         return False
     opened_by._checkpointed_under_policy = True  # read by TorchPatch.stop()
     return True
