@@ -2,7 +2,7 @@
 
 import sys
 import threading
-
+import warnings
 
 import pytest
 import torch
@@ -13,6 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import dispatch_amp as amp
 from dispatch_amp import _engine
+from dispatch_amp.autocast import _DEVICES, device_dtypes
+from dispatch_amp.policy import BUILTIN_DEVICES
 
 CUDA_POLICY = amp.Policy.for_device("cuda")
 
@@ -55,7 +57,7 @@ def test_defaults_per_device():
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        ({"device_type": "tpu"}, RuntimeError, r"supports \['cpu', 'cuda'\]"),
+        ({"device_type": "tpu"}, RuntimeError, r"supports \['cpu', 'cuda', 'mps', 'xpu'\]"),
         ({"device_type": torch.device("cpu")}, ValueError, "pass device.type"),
         ({"device_type": 0}, ValueError, "must be a string"),
         ({"device_type": "cpu", "dtype": "bfloat16"}, TypeError, "torch.dtype"),
@@ -75,9 +77,37 @@ def test_bad_arguments_raise_clear_errors(kwargs, error, match):
         assert str(theirs.value) in str(ours.value)  # code matching torch's words still matches
 
 
-def test_a_device_type_torch_autocasts_but_we_do_not_is_refused_with_the_way_out():
-    with pytest.raises(RuntimeError, match="unsupported device_type 'mps'.*use torch.autocast there"):
-        amp.autocast("mps")
+@pytest.mark.parametrize("device_type", ["hpu", "xla", "mtia"])
+def test_a_device_type_torch_autocasts_but_we_do_not_is_refused_with_the_way_out(device_type):
+    # torch's exception type for a device type it does not autocast.
+    with pytest.raises(RuntimeError, match=f"unsupported device_type '{device_type}'.*use torch.autocast there"):
+        amp.autocast(device_type)
+
+
+def test_every_device_type_with_a_builtin_policy_is_supported():
+    assert set(_DEVICES) == set(BUILTIN_DEVICES)
+    for device_type in BUILTIN_DEVICES:
+        default, supported = device_dtypes(device_type)
+        # torch's default outside any region, and the dtypes torch.autocast accepts there
+        assert default is torch.get_autocast_dtype(device_type)
+        assert set(supported) == {torch.float16, torch.bfloat16}
+
+
+@pytest.mark.parametrize("device_type", ["xpu", "mps"])
+def test_xpu_and_mps_regions_report_native_state_and_leave_cpu_tensors_alone(device_type):
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch.autocast has no availability warning for these
+        region = amp.autocast(device_type, dtype=torch.bfloat16)
+    with region:
+        assert torch.is_autocast_enabled(device_type) and amp.is_autocast_enabled(device_type)
+        assert torch.get_autocast_dtype(device_type) is torch.bfloat16
+        assert not torch.is_autocast_enabled("cpu")
+        assert (x @ w).dtype is torch.float32  # only tensors on the region's device type
+    assert not torch.is_autocast_enabled(device_type)
+    with torch.autocast(device_type, dtype=torch.bfloat16):
+        native = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+    assert native == (True, torch.bfloat16)
 
 
 def test_state_queries_validate_device_type():

@@ -1,7 +1,7 @@
 """Every op native autocast registers, reached through a user-facing call.
 
-``torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCPU")`` and
-``("AutocastCUDA")`` list the ops (with overloads, e.g. ``aten::conv2d.padding``) native
+``torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCPU")`` (and
+``"AutocastCUDA"``, ``"AutocastXPU"``, ``"AutocastMPS"``) list the ops (with overloads, e.g. ``aten::conv2d.padding``) native
 autocast handles. For each entry this file holds an explicit call in ``CALLS`` that
 reaches it (a small function building tiny inputs), or a reason in ``UNREACHABLE_ON_CPU``.
 
@@ -16,6 +16,9 @@ reaches it (a small function building tiny inputs), or a reason in ``UNREACHABLE
   (``NATIVE_CUDA_KIND``, written from native's autocast_mode.cpp: lower -> float16,
   fp32 -> float32, promote -> widest input, banned -> error), and the value of the call
   made without autocast on inputs cast to that dtype.
+- AutocastXPU and AutocastMPS: the same, under ``Policy.for_device("xpu")`` and
+  ``Policy.for_device("mps")`` (``NATIVE_XPU_KIND``: CUDA's lists, which native registers
+  for XPU too; ``NATIVE_MPS_KIND``: native's MPS list).
 - A few representative ops: gradients flow with backward outside the context.
 
 Inputs: ops run in lower precision get float32 inputs; ops run in float32 get inputs in
@@ -25,6 +28,7 @@ the low dtype (bfloat16 for the CPU key, float16 for the CUDA key), so the cast 
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 
 import pytest
 import torch
@@ -43,6 +47,9 @@ pytestmark = [
 ]
 
 CUDA_POLICY = Policy.for_device("cuda")
+# device type -> native autocast's dispatch key, for the devices tested on CPU tensors
+# through their policy.
+GPU_KEYS = {"cuda": "AutocastCUDA", "xpu": "AutocastXPU", "mps": "AutocastMPS"}
 
 
 class Inputs:
@@ -237,6 +244,8 @@ CALLS = {
     "aten::softmax.int": lambda g: call(F.softmax, g.l(3, 4), -1),
     "aten::log_softmax.int": lambda g: call(F.log_softmax, g.l(3, 4), -1),
     "aten::layer_norm": lambda g: call(F.layer_norm, g.l(3, 4), (4,), g.l(4), g.l(4)),
+    # running statistics, weight, bias; eval mode (no in-place update between runs)
+    "aten::batch_norm": lambda g: call(F.batch_norm, g.l(2, 3, 4), g.l(3), g.pos(3), g.l(3), g.l(3)),
     "aten::native_layer_norm": lambda g: call(torch.native_layer_norm, g.l(3, 4), [4], g.l(4), g.l(4), 1e-5),
     "aten::group_norm": lambda g: call(F.group_norm, g.l(2, 4, 3), 2, g.l(4), g.l(4)),
     "aten::rms_norm": lambda g: call(F.rms_norm, g.l(3, 4), (4,), g.l(4)),
@@ -369,6 +378,10 @@ CALLS = {
 # Registered entries no call on a CPU can reach, each with its reason. The test asserts
 # that the op does raise on CPU tensors.
 UNREACHABLE_ON_CPU = {
+    "aten::_mps_convolution": (
+        "Metal kernel: no CPU kernel",
+        lambda: torch._mps_convolution(torch.randn(1, 2, 5, 5), torch.randn(3, 2, 3, 3), None,
+                                       [0, 0], [1, 1], [1, 1], 1)),
     "aten::cudnn_convolution": (
         "needs cuDNN: no CPU kernel",
         lambda: torch.cudnn_convolution(torch.randn(1, 2, 5, 5), torch.randn(3, 2, 3, 3),
@@ -439,12 +452,50 @@ sum.dim_DimnameList norm.names_ScalarOpt_dim
 _CUDA_PROMOTE = "addcdiv addcmul atan2 bilinear cross dot vdot grid_sampler index_put tensordot scatter_add"
 _CUDA_BANNED = "binary_cross_entropy"
 
-NATIVE_CUDA_KIND = {
-    "aten::" + name: kind
-    for kind, names in (("lower", _CUDA_LOWER), ("fp32", _CUDA_FP32),
-                        ("promote", _CUDA_PROMOTE), ("banned", _CUDA_BANNED))
-    for name in names.split()
-}
+
+
+def _kinds(lower, fp32, promote, banned):
+    return {
+        "aten::" + name: kind
+        for kind, names in (("lower", lower), ("fp32", fp32), ("promote", promote), ("banned", banned))
+        for name in names.split()
+    }
+
+
+NATIVE_CUDA_KIND = _kinds(_CUDA_LOWER, _CUDA_FP32, _CUDA_PROMOTE, _CUDA_BANNED)
+
+# XPU: autocast_mode.cpp registers the same lists for AutocastXPU, less the entries CUDA
+# registers on its own.
+_CUDA_ONLY = {"aten::cudnn_convolution", "aten::cudnn_convolution_transpose",
+              "aten::_cudnn_rnn", "aten::linalg_matrix_sqrth"}
+NATIVE_XPU_KIND = {name: kind for name, kind in NATIVE_CUDA_KIND.items() if name not in _CUDA_ONLY}
+
+# MPS: its own list in autocast_mode.cpp. Its fp32_set_opt_dtype ops (softmax, sum...)
+# are registered with the plain fp32 policy.
+_MPS_LOWER = """
+_convolution _convolution.deprecated conv1d conv2d conv3d conv_tbc conv_transpose1d
+conv_transpose2d.input convolution _mps_convolution prelu addmm addmv addr matmul einsum
+mm mv linear addbmm baddbmm bmm chain_matmul linalg_multi_dot lstm_cell
+scaled_dot_product_attention
+"""
+_MPS_FP32 = """
+conv_transpose3d.input
+acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan
+pow.Tensor_Scalar pow.Tensor_Tensor pow.Scalar softplus layer_norm native_layer_norm
+group_norm frobenius_norm.dim nuclear_norm nuclear_norm.dim batch_norm cosine_similarity
+poisson_nll_loss cosine_embedding_loss nll_loss nll_loss2d hinge_embedding_loss kl_div
+l1_loss smooth_l1_loss huber_loss mse_loss margin_ranking_loss multilabel_margin_loss
+soft_margin_loss triplet_margin_loss multi_margin_loss binary_cross_entropy_with_logits
+dist pdist cdist renorm logsumexp
+prod prod.dim_int softmax.int log_softmax.int cumprod cumsum linalg_vector_norm
+linalg_matrix_norm linalg_matrix_norm.str_ord sum sum.dim_IntList
+prod.dim_Dimname softmax.Dimname log_softmax.Dimname cumprod.dimname cumsum.dimname
+sum.dim_DimnameList
+"""
+_MPS_PROMOTE = "addcdiv addcmul atan2 bilinear cross dot grid_sampler index_put tensordot scatter_add"
+NATIVE_MPS_KIND = _kinds(_MPS_LOWER, _MPS_FP32, _MPS_PROMOTE, "")
+
+NATIVE_KIND = {"AutocastCUDA": NATIVE_CUDA_KIND, "AutocastXPU": NATIVE_XPU_KIND, "AutocastMPS": NATIVE_MPS_KIND}
 
 
 def _registrations(key):
@@ -453,6 +504,7 @@ def _registrations(key):
 
 CPU_REGISTERED = _registrations("AutocastCPU")
 CUDA_REGISTERED = _registrations("AutocastCUDA")
+REGISTERED = {key: _registrations(key) for key in ("AutocastCPU", *GPU_KEYS.values())}
 
 _NAMED_OVERLOADS = {
     "AutocastCPU": ["aten::index_copy.dimname", "aten::prod.dim_Dimname"],
@@ -462,6 +514,8 @@ _NAMED_OVERLOADS = {
         "aten::sum.dim_DimnameList",
     ],
 }
+_NAMED_OVERLOADS["AutocastXPU"] = _NAMED_OVERLOADS["AutocastCUDA"]
+_NAMED_OVERLOADS["AutocastMPS"] = [n for n in _NAMED_OVERLOADS["AutocastCUDA"] if n != "aten::norm.names_ScalarOpt_dim"]
 
 # Registrations that differ between the supported torch releases, measured on each:
 # name -> (first release that registers it, first release that no longer does).
@@ -477,6 +531,11 @@ BY_VERSION = {
         "aten::rms_norm": ("2.12", None),
         "aten::linalg_matrix_sqrth": ("2.14", None),
     },
+    "AutocastXPU": {
+        **{name: (None, "2.13") for name in _NAMED_OVERLOADS["AutocastXPU"]},
+        "aten::rms_norm": ("2.12", None),
+    },
+    "AutocastMPS": {name: (None, "2.13") for name in _NAMED_OVERLOADS["AutocastMPS"]},
 }
 # Registered by CUDA builds only (the CPU build has no cuDNN).
 CUDA_BUILDS_ONLY = {"AutocastCUDA": {"aten::_cudnn_rnn"}}
@@ -559,6 +618,7 @@ NOT_DIFFERENTIABLE = {
     "aten::fractional_max_pool2d": {"_random_samples"},
     "aten::fractional_max_pool3d": {"_random_samples"},
     "aten::soft_margin_loss": {1},
+    "aten::batch_norm": {1, 2},  # running statistics
 }
 
 # Kernels whose float32 result varies in the last bits from call to call natively, so
@@ -588,7 +648,7 @@ def _out_dtypes(out):
 
 
 # -- (a) coverage ------------------------------------------------------------------------
-@pytest.mark.parametrize("key, registered", [("AutocastCPU", CPU_REGISTERED), ("AutocastCUDA", CUDA_REGISTERED)])
+@pytest.mark.parametrize("key, registered", REGISTERED.items())
 def test_every_registration_is_mapped(key, registered):
     unmapped = [n for n in registered if n not in CALLS and n not in UNREACHABLE_ON_CPU]
     assert not unmapped, (
@@ -598,19 +658,21 @@ def test_every_registration_is_mapped(key, registered):
     assert not both, f"in CALLS and UNREACHABLE_ON_CPU: {sorted(both)}"
 
 
-def test_every_cuda_registration_has_a_native_kind():
-    missing = [n for n in CUDA_REGISTERED if n not in NATIVE_CUDA_KIND]
-    assert not missing, f"AutocastCUDA registrations without a kind in NATIVE_CUDA_KIND: {missing}"
+@pytest.mark.parametrize("key", GPU_KEYS.values())
+def test_every_gpu_registration_has_a_native_kind(key):
+    kinds, registered = NATIVE_KIND[key], REGISTERED[key]
+    missing = [n for n in registered if n not in kinds]
+    assert not missing, f"{key} registrations without a native kind in this file: {missing}"
     stale = sorted(
-        n for n in set(NATIVE_CUDA_KIND) - set(CUDA_REGISTERED)
-        if _expected_here("AutocastCUDA", n) is None
+        n for n in set(kinds) - set(registered)
+        if _expected_here(key, n) is None
     )
     assert not stale, (
-        f"NATIVE_CUDA_KIND names torch {torch.__version__} does not register, and that "
+        f"native kinds of {key} that torch {torch.__version__} does not register, and that "
         f"BY_VERSION does not list: {stale}")
 
 
-@pytest.mark.parametrize("key, registered", [("AutocastCPU", CPU_REGISTERED), ("AutocastCUDA", CUDA_REGISTERED)])
+@pytest.mark.parametrize("key, registered", REGISTERED.items())
 def test_registrations_differ_between_versions_only_where_known(key, registered):
     names = set(BY_VERSION[key]) | CUDA_BUILDS_ONLY.get(key, set())
     wrong = sorted(n for n in names if (n in registered) != _expected_here(key, n))
@@ -643,8 +705,11 @@ def test_cpu_registration_matches_native(name, grad):
     _assert_same(ours, native, name, exact=name not in NONDETERMINISTIC)
 
 
-# -- (b) AutocastCUDA: CUDA policy on CPU tensors gives native CUDA's dtype --------------
-CUDA_REACHABLE = [n for n in CUDA_REGISTERED if n in CALLS]
+# -- (b) AutocastCUDA/XPU/MPS: the device's policy on CPU tensors gives native's dtype ----
+GPU_REACHABLE = [
+    pytest.param(device, name, id=f"{device}-{name}")
+    for device, key in GPU_KEYS.items() for name in REGISTERED[key] if name in CALLS
+]
 
 
 def _expected_dtype(kind, ctx_dtype, args, kwargs):
@@ -660,16 +725,17 @@ def _expected_dtype(kind, ctx_dtype, args, kwargs):
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["nograd", "grad"])
-@pytest.mark.parametrize("name", CUDA_REACHABLE)
-def test_cuda_registration_under_cuda_policy(name, grad):
-    kind = NATIVE_CUDA_KIND[name]
+@pytest.mark.parametrize("device, name", GPU_REACHABLE)
+def test_gpu_registration_under_its_policy(device, name, grad):
+    kind = NATIVE_KIND[GPU_KEYS[device]][name]
+    policy = Policy.for_device(device)
     fn, args, kwargs = _make(name, torch.float16, grad)
     if kind == "banned":
-        with dispatch_amp.autocast("cpu", dtype=torch.float16, policy=CUDA_POLICY):
+        with dispatch_amp.autocast("cpu", dtype=torch.float16, policy=policy):
             with pytest.raises(RuntimeError, match="binary_cross_entropy_with_logits"):
                 _run(fn, args, kwargs)
         return
-    with dispatch_amp.autocast("cpu", dtype=torch.float16, policy=CUDA_POLICY):
+    with dispatch_amp.autocast("cpu", dtype=torch.float16, policy=policy):
         ours = _run(fn, args, kwargs)
     dtype = _expected_dtype(kind, torch.float16, args, kwargs)
     control = _run(fn, _cast(args, dtype), _cast(kwargs, dtype))
@@ -695,6 +761,7 @@ GRAD_CPU = ["aten::linear", "aten::conv2d", "aten::bmm", "aten::mse_loss", "aten
             "aten::cross_entropy_loss", "aten::scaled_dot_product_attention"]
 GRAD_CUDA = ["aten::linear", "aten::conv2d", "aten::layer_norm", "aten::softmax.int",
              "aten::addcmul", "aten::mse_loss", "aten::lstm_cell"]
+GRAD_MPS = ["aten::linear", "aten::conv_transpose3d.input", "aten::batch_norm", "aten::softmax.int"]
 
 
 @pytest.mark.parametrize("name", GRAD_CPU)
@@ -707,19 +774,19 @@ def test_cpu_gradients_match_native(name):
         _assert_same(g_ours, g_native, f"{name} grad")
 
 
-@pytest.mark.parametrize("name", GRAD_CUDA)
-def test_cuda_policy_gradients(name):
-    kind = NATIVE_CUDA_KIND[name]
+@pytest.mark.parametrize(
+    "device, name", [("cuda", n) for n in GRAD_CUDA] + [("mps", n) for n in GRAD_MPS])
+def test_gpu_policy_gradients(device, name):
+    kind = NATIVE_KIND[GPU_KEYS[device]][name]
     fn, args, kwargs = _make(name, torch.float16, grad=True)
     dtype = _expected_dtype(kind, torch.float16, args, kwargs)
-    leaves, ours = _grads_after(
-        fn, args, kwargs, dispatch_amp.autocast("cpu", dtype=torch.float16, policy=CUDA_POLICY))
+    region = dispatch_amp.autocast("cpu", dtype=torch.float16, policy=Policy.for_device(device))
+    leaves, ours = _grads_after(fn, args, kwargs, region)
 
     # reference: the same casts written by hand, no autocast
     def by_hand(*a, **k):
         return fn(*_cast(a, dtype), **_cast(k, dtype))
 
-    import contextlib
     _, ref = _grads_after(by_hand, args, kwargs, contextlib.nullcontext())
     for leaf, g_ours, g_ref in zip(leaves, ours, ref):
         assert g_ours is not None and g_ours.dtype == leaf.dtype

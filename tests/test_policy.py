@@ -10,7 +10,7 @@ from dispatch_amp.policy import Policy
 
 
 def test_builtin_tables_resolve_and_have_no_duplicates():
-    for device in ("cuda", "cpu"):
+    for device in op_tables.DEVICE_TABLES:
         p = Policy.for_device(device)
         names = [n for kind in op_tables.KINDS for n in p.ops(kind)]
         assert len(names) == len(set(names)) == len(p.rules)
@@ -23,6 +23,8 @@ _BY_VERSION = {
     "cuda": {"rms_norm": ("2.12", None), "_fused_rms_norm": ("2.12", None),
              "linalg_matrix_sqrth": ("2.14", None)},
     "cpu": {"cholesky": (None, "2.14"), "qr": (None, "2.14"), "linalg_matrix_sqrth": ("2.14", None)},
+    "xpu": {"rms_norm": ("2.12", None), "_fused_rms_norm": ("2.12", None)},
+    "mps": {},
 }
 
 
@@ -30,7 +32,7 @@ def _in_range(since, until):
     return (since is None or torch.__version__ >= since) and (until is None or torch.__version__ < until)
 
 
-@pytest.mark.parametrize("device", ["cuda", "cpu"])
+@pytest.mark.parametrize("device", sorted(op_tables.DEVICE_TABLES))
 def test_builtin_policy_follows_the_installed_torch(device):
     # Only the names known to differ between releases may be left out (anything else
     # left out is a typo in op_tables.py or a change upstream), and each is in the
@@ -42,14 +44,14 @@ def test_builtin_policy_follows_the_installed_torch(device):
         here = _in_range(since, until)
         assert (f"aten::{name}" in policy.rules) == here, name
         assert (name in policy_module.OMITTED[device]) == (not here), name
-    table = op_tables.CUDA_TABLE if device == "cuda" else op_tables.CPU_TABLE
+    table = op_tables.DEVICE_TABLES[device][0]
     listed = sum(len(names) for names in table.values())
     assert len(policy.rules) + len(policy_module.OMITTED[device]) == listed
 
 
 def test_builtin_tables_name_their_own_entries_consistently():
     # Every name of ours is in its table; what it follows is a native entry of that table.
-    for table, own in ((op_tables.CUDA_TABLE, op_tables.CUDA_OWN), (op_tables.CPU_TABLE, op_tables.CPU_OWN)):
+    for table, own, _key in op_tables.DEVICE_TABLES.values():
         listed = {name for names in table.values() for name in names}
         assert set(own) <= listed
         assert {f for f in own.values() if f is not None} <= listed - set(own)
@@ -64,6 +66,18 @@ def test_device_tables_differ_where_native_differs():
     assert cuda.kind_of("binary_cross_entropy") == op_tables.BANNED
     assert cpu.kind_of("binary_cross_entropy") == op_tables.FP32
     assert cpu.kind_of("cat") == cuda.kind_of("addcmul") == op_tables.PROMOTE
+    # Intel GPUs: CUDA's table less what only CUDA registers.
+    xpu = Policy.for_device("xpu")
+    assert set(cuda.rules) - set(xpu.rules) <= {"aten::cudnn_convolution", "aten::cudnn_convolution_transpose",
+                                                "aten::linalg_matrix_sqrth"}
+    assert set(xpu.rules) <= set(cuda.rules) and all(cuda.kind_of(op) == k for op, k in xpu.rules.items())
+    # Apple GPUs: softmax and sums in float32 even with dtype= (the input is cast), a
+    # float32 3-D transposed convolution, batch_norm in float32, no banned op.
+    mps = Policy.for_device("mps")
+    assert mps.kind_of("softmax") == mps.kind_of("sum") == mps.kind_of("conv_transpose3d") == op_tables.FP32
+    assert mps.kind_of("batch_norm") == op_tables.FP32 and cuda.kind_of("batch_norm") is None
+    assert mps.kind_of("conv3d") == mps.kind_of("_mps_convolution") == op_tables.LOWER
+    assert mps.kind_of("binary_cross_entropy") is None and not mps.ops("banned")
 
 
 def test_typo_fails_loudly():

@@ -115,7 +115,8 @@ def test_patched_autocast_takes_every_torch_argument():
             with torch.autocast("cpu", dtype=torch.float32, enabled=False):
                 assert not amp.is_autocast_enabled("cpu")
         # Device types dispatch_amp does not handle keep torch's own autocast.
-        assert type(torch.autocast("xpu", enabled=False)) is torch.amp.autocast_mode.autocast
+        assert type(torch.autocast("hpu", enabled=False)) is torch.amp.autocast_mode.autocast
+        assert isinstance(torch.autocast("mps", enabled=False), amp.autocast)
         with torch.cpu.amp.autocast():
             assert amp.get_autocast_dtype("cpu") is torch.bfloat16 and amp.is_autocast_enabled("cpu")
         assert isinstance(torch.cuda.amp.autocast(enabled=False), amp.autocast)

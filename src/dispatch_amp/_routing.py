@@ -18,7 +18,7 @@ from torch._ops import OpOverload, OpOverloadPacket
 from . import _torch_compat
 from .composites import DECOMPOSITIONS
 from .op_tables import CastKind
-from .policy import Policy
+from .policy import BUILTIN_DEVICES, Policy
 
 __all__ = ["Route", "Routes", "routes_for", "clone_without_dispatch_check"]
 
@@ -193,7 +193,7 @@ def routes_for(policy: Policy) -> Routes:
 
 
 # The built-in policies' routes exist before any region is opened, traced ones included.
-for _device_type in ("cpu", "cuda"):
+for _device_type in BUILTIN_DEVICES:
     routes_for(Policy.for_device(_device_type))
 del _device_type
 

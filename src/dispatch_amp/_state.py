@@ -20,7 +20,10 @@ from .policy import Policy
 
 _Tensor = torch.Tensor
 # The cheap per-device test (t.is_cpu is several times faster than t.device.type).
-_DEVICE_TESTS = {"cpu": _Tensor.is_cpu.__get__, "cuda": _Tensor.is_cuda.__get__}
+_DEVICE_TESTS = {
+    "cpu": _Tensor.is_cpu.__get__, "cuda": _Tensor.is_cuda.__get__,
+    "xpu": _Tensor.is_xpu.__get__, "mps": _Tensor.is_mps.__get__,
+}
 
 
 @dataclass(frozen=True)

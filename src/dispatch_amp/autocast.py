@@ -106,9 +106,12 @@ def regions_entered(device_type: str, dtype: torch.dtype) -> int:
     return _ENTERED.counts.get((device_type, dtype), 0)
 
 # device type -> (default dtype, supported dtypes), the one place these facts live.
+# Every device type with a built-in policy is here (tests/test_autocast.py checks it).
 _DEVICES: dict[str, tuple[torch.dtype, tuple[torch.dtype, ...]]] = {
     "cuda": (torch.float16, (torch.float16, torch.bfloat16)),
     "cpu": (torch.bfloat16, (torch.bfloat16, torch.float16)),
+    "xpu": (torch.float16, (torch.float16, torch.bfloat16)),
+    "mps": (torch.float16, (torch.float16, torch.bfloat16)),
 }
 
 
@@ -140,7 +143,8 @@ def _check_device_type(device_type) -> str:
 
 
 def device_dtypes(device_type: str) -> tuple[torch.dtype, tuple[torch.dtype, ...]]:
-    """``(default dtype, supported dtypes)`` of autocast for ``device_type`` ("cpu" or "cuda").
+    """``(default dtype, supported dtypes)`` of autocast for ``device_type`` ("cpu", "cuda",
+    "xpu" or "mps").
 
     Example::
 
@@ -171,11 +175,13 @@ class autocast:
     """Context manager and decorator that runs ops in mixed precision.
 
     Args:
-        device_type: ``"cuda"`` or ``"cpu"``; only floating tensors on this device type
-            are cast.
+        device_type: ``"cuda"``, ``"cpu"``, ``"xpu"`` (Intel GPUs) or ``"mps"`` (Apple
+            GPUs); only floating tensors on this device type are cast. Other device types
+            torch.autocast knows (``"hpu"``, ``"xla"``...) raise RuntimeError, as torch
+            does for one it does not know.
         dtype: the lower precision, ``torch.float16`` or ``torch.bfloat16``; ``None``
             means ``torch.get_autocast_dtype(device_type)`` when the context is made (the
-            device's default, cuda: float16, cpu: bfloat16, unless a region changed it).
+            device's default, cpu: bfloat16, others: float16, unless a region changed it).
             As with ``torch.autocast``, an enabled region with another dtype, or a
             ``"cuda"`` region without CUDA, warns and runs disabled.
         enabled: ``False`` turns autocast off inside this region (also inside an outer

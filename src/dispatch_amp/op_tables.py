@@ -22,14 +22,17 @@ Kinds:
     promote           run in the widest floating dtype among the inputs
     banned            refuse, with an error naming the safe alternative
 
-The lists follow native autocast (the ops registered for the AutocastCUDA and AutocastCPU
-dispatch keys), as the union over the supported torch versions. Native's table changes
+The lists follow native autocast (the ops registered for the AutocastCUDA, AutocastCPU,
+AutocastXPU and AutocastMPS dispatch keys), as the union over the supported torch versions.
+Intel GPUs (``xpu``) get CUDA's lists less the entries only CUDA registers; Apple GPUs
+(``mps``) have a table of their own, in which the ops CUDA runs in float32 unless the caller
+passes ``dtype=`` (``softmax``, ``sum``...) are plain float32, as native registers them. Native's table changes
 from version to version: CUDA ``rms_norm`` is registered from torch 2.12 on, and torch
 2.14 removed ``cholesky`` and ``qr`` and added ``linalg_matrix_sqrth``. So the built-in policy is
 built from the installed torch (``policy._builtin_table``): a name native autocast
 registers is kept only where the installed torch registers it for the device's key. The
-names native never registers are in ``CUDA_OWN`` and ``CPU_OWN``, each with the native
-entry it follows. ``tests/test_native_registrations.py`` walks the installed torch's
+names native never registers are in ``CUDA_OWN``, ``CPU_OWN`` and ``MPS_OWN``, each with
+the native entry it follows. ``tests/test_native_registrations.py`` walks the installed torch's
 registrations and checks every entry against a user-facing call.
 """
 
@@ -209,4 +212,62 @@ CPU_OWN = {
     "rnn_tanh_cell": None, "rnn_relu_cell": None,
     "_scaled_dot_product_flash_attention_for_cpu": "scaled_dot_product_attention",
     "nll_loss_forward": "nll_loss", "nll_loss2d_forward": "nll_loss2d",
+}
+
+# Intel GPUs: native registers AutocastXPU from the same lists as AutocastCUDA, except the
+# entries CUDA registers on their own: cuDNN's convolutions and linalg_matrix_sqrth.
+_CUDA_ONLY = frozenset({"cudnn_convolution", "cudnn_convolution_transpose", "linalg_matrix_sqrth"})
+XPU_TABLE = {kind: tuple(n for n in names if n not in _CUDA_ONLY) for kind, names in CUDA_TABLE.items()}
+XPU_OWN = dict(CUDA_OWN)
+
+# Apple GPUs (the AutocastMPS list of native autocast).
+MPS_TABLE = {
+    LOWER: (
+        "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d", "conv_transpose2d",
+        "convolution", "_convolution", "_mps_convolution",
+        "linear", "matmul", "linalg_matmul", "mm", "mv", "bmm", "addmm", "addmv", "addr",
+        "addbmm", "baddbmm", "einsum", "chain_matmul", "linalg_multi_dot",
+        "lstm_cell", "scaled_dot_product_attention", "prelu",
+    ),
+    FP32: (
+        # Metal has no half-precision 3-D transposed convolution.
+        "conv_transpose3d",
+        "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",
+        "reciprocal", "rsqrt", "sinh", "tan", "pow", "softplus",
+        "layer_norm", "native_layer_norm", "group_norm", "native_group_norm", "batch_norm",
+        "frobenius_norm", "nuclear_norm",
+        "cosine_similarity", "dist", "pdist", "cdist", "renorm", "logsumexp",
+        "poisson_nll_loss", "cosine_embedding_loss", "nll_loss", "nll_loss_forward",
+        "nll_loss2d", "nll_loss2d_forward", "hinge_embedding_loss", "kl_div", "l1_loss",
+        "smooth_l1_loss", "huber_loss", "mse_loss", "margin_ranking_loss",
+        "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss",
+        "multi_margin_loss", "binary_cross_entropy_with_logits", "cross_entropy_loss",
+        # CUDA's fp32_unless_dtype ops; MPS casts their inputs to float32 and keeps the
+        # caller's dtype= argument, so an explicit dtype still decides the output.
+        "softmax", "_softmax", "log_softmax", "_log_softmax",
+        "cumprod", "cumsum", "prod", "sum", "linalg_vector_norm", "linalg_matrix_norm",
+    ),
+    FP32_UNLESS_DTYPE: (),
+    PROMOTE: (
+        "addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot",
+        "grid_sampler", "index_put", "tensordot", "scatter_add",
+    ),
+    # binary_cross_entropy is not banned on MPS: native leaves it alone there.
+    BANNED: (),
+}
+
+MPS_OWN = {
+    "linalg_matmul": "matmul",
+    "native_group_norm": "group_norm",
+    "nll_loss_forward": "nll_loss", "nll_loss2d_forward": "nll_loss2d",
+    "cross_entropy_loss": None,
+    "_softmax": "softmax", "_log_softmax": "log_softmax",
+}
+
+# device type -> (table, names of ours in it, native autocast's dispatch key for it)
+DEVICE_TABLES = {
+    "cuda": (CUDA_TABLE, CUDA_OWN, "AutocastCUDA"),
+    "cpu": (CPU_TABLE, CPU_OWN, "AutocastCPU"),
+    "xpu": (XPU_TABLE, XPU_OWN, "AutocastXPU"),
+    "mps": (MPS_TABLE, MPS_OWN, "AutocastMPS"),
 }

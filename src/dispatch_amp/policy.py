@@ -89,8 +89,8 @@ def _rules_from_table(table: Mapping[str, Iterable[OpLike]]) -> dict[str, CastKi
 class Policy:
     """Which ops autocast runs in lower precision, in float32, promoted, or refuses.
 
-    Build one from a device's built-in table with ``Policy.for_device("cuda")`` or
-    ``Policy.for_device("cpu")`` and derive variants with ``with_ops`` (add or move ops,
+    Build one from a device's built-in table with ``Policy.for_device("cuda")`` (also
+    ``"cpu"``, ``"xpu"``, ``"mps"``) and derive variants with ``with_ops`` (add or move ops,
     custom ops included) and ``without_ops``. Policies are immutable and hashable.
 
     Example::
@@ -116,7 +116,8 @@ class Policy:
 
     @classmethod
     def for_device(cls, device_type: str) -> Policy:
-        """The built-in policy of ``"cuda"`` or ``"cpu"``, matching native autocast.
+        """The built-in policy of ``"cuda"``, ``"cpu"``, ``"xpu"`` or ``"mps"``, matching
+        native autocast's table for that device type in the installed torch.
 
         Example::
 
@@ -268,6 +269,8 @@ def _builtin(device_type: str, table, own, key: str) -> Policy:
 OMITTED: dict[str, tuple[str, ...]] = {}
 
 _BUILTIN = {
-    "cuda": _builtin("cuda", op_tables.CUDA_TABLE, op_tables.CUDA_OWN, "AutocastCUDA"),
-    "cpu": _builtin("cpu", op_tables.CPU_TABLE, op_tables.CPU_OWN, "AutocastCPU"),
+    device_type: _builtin(device_type, table, own, key)
+    for device_type, (table, own, key) in op_tables.DEVICE_TABLES.items()
 }
+# The device types with a built-in policy, in the order op_tables lists them.
+BUILTIN_DEVICES = tuple(_BUILTIN)

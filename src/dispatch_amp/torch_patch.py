@@ -45,7 +45,7 @@ import torch.amp.autocast_mode
 
 from .autocast import autocast
 from .grad_scaler import GradScaler as _OurGradScaler
-from .policy import Policy
+from .policy import BUILTIN_DEVICES, Policy
 from .warning_types import AmpNumericsWarning
 
 __all__ = ["patch_torch", "TorchPatch"]
@@ -57,7 +57,8 @@ _MARK = "_dispatch_amp_patch"
 # Held while a patch checks and swaps torch's attributes (start and stop).
 _SWAP_LOCK = threading.Lock()
 
-_OUR_DEVICES = ("cpu", "cuda")
+# torch.autocast for these device types becomes ours; for the others it stays torch's.
+_OUR_DEVICES = BUILTIN_DEVICES
 _LOW_DTYPES = (torch.float16, torch.bfloat16)
 
 

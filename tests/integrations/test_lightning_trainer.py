@@ -137,8 +137,12 @@ def test_plugin_arguments_are_checked():
         MixedPrecision("bf16-mixed", "cpu", scaler=amp.GradScaler("cpu"))
     with pytest.raises(ValueError, match="not both"):
         MixedPrecision("16-mixed", "cpu", scaler=amp.GradScaler("cpu"), scaler_options={})
-    with pytest.raises(RuntimeError, match="unsupported device_type 'mps'"):  # torch's type
-        MixedPrecision("bf16-mixed", "mps")
+    with pytest.raises(RuntimeError, match="unsupported device_type 'hpu'"):  # torch's type
+        MixedPrecision("bf16-mixed", "hpu")
+    for device in ("mps", "xpu"):
+        plugin = MixedPrecision("16-mixed", device)
+        assert plugin.autocast_context_manager().device_type == device
+        assert plugin.policy is None or plugin.policy == amp.Policy.for_device(device)
     policy = amp.Policy.for_device("cpu").with_ops(fp32=["linear", "addmm", "mm"])
     with MixedPrecision("bf16-mixed", "cpu", policy=policy).forward_context():
         assert torch.nn.Linear(2, 2)(torch.ones(1, 2)).dtype is torch.float32

@@ -39,7 +39,7 @@ from accelerate.utils import DistributedType, convert_outputs_to_fp32
 
 from ..autocast import autocast
 from ..grad_scaler import GradScaler
-from ..policy import Policy
+from ..policy import BUILTIN_DEVICES, Policy
 
 __all__ = ["install_amp", "AmpHooks"]
 
@@ -197,7 +197,7 @@ def install_amp(
     Call it once, right after creating the Accelerator and before ``prepare()``.
 
     Args:
-        accelerator: an ``accelerate.Accelerator`` on a CPU or CUDA device.
+        accelerator: an ``accelerate.Accelerator`` on a CPU, CUDA, XPU or MPS device.
         dtype: ``torch.float16``/``"fp16"`` or ``torch.bfloat16``/``"bf16"``; default the
             Accelerator's ``mixed_precision``. Needed when that is ``"no"``.
         policy: the ``dispatch_amp.Policy`` to apply; default the device's.
@@ -229,10 +229,11 @@ def install_amp(
             f"distributed_type {accelerator.distributed_type} manages precision itself; "
             "install_amp() supports single-process, DDP and FSDP runs"
         )
-    if accelerator.device.type not in ("cpu", "cuda"):
+    if accelerator.device.type not in BUILTIN_DEVICES:
         raise ValueError(
-            f"dispatch_amp autocasts on 'cpu' and 'cuda', the Accelerator runs on "
-            f"{accelerator.device.type!r}; keep accelerate's own mixed precision there"
+            f"dispatch_amp autocasts on {', '.join(map(repr, BUILTIN_DEVICES))}, the "
+            f"Accelerator runs on {accelerator.device.type!r}; keep accelerate's own mixed "
+            "precision there"
         )
     dtype = _resolve_dtype(accelerator, dtype)
     if dtype is torch.bfloat16:

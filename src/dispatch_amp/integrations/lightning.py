@@ -38,7 +38,7 @@ class MixedPrecision(PolicyPrecision, _LightningMixedPrecision):
 
     Args:
         precision: ``"16-mixed"`` (float16 with a loss scaler) or ``"bf16-mixed"``.
-        device: the autocast device type, ``"cpu"`` or ``"cuda"``.
+        device: the autocast device type: ``"cpu"``, ``"cuda"``, ``"xpu"`` or ``"mps"``.
         scaler: a GradScaler for ``"16-mixed"``; default ``dispatch_amp.GradScaler(device)``.
         policy: the ``dispatch_amp.Policy`` to apply; default the device's.
         scaler_options: keyword arguments for the default GradScaler (``init_scale``,
