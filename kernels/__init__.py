@@ -12,6 +12,11 @@ Public:
 * :func:`update_scale_` ``(state, found_inf, growth_factor, backoff_factor,
   growth_interval, *, hysteresis=1, min_scale=None, max_scale=None, backend="auto")``:
   the device-side loss-scale update, with :class:`ScaleState` holding its tensors.
+* :func:`amax_and_cast` ``(t, scale, fp8_dtype, *, backend="auto")``: fp8 cast with a known
+  scale, returning ``(q, amax, saturated)`` from one pass over ``t``.
+* :func:`cast_transpose` ``(t, scale, fp8_dtype, *, backend="auto")``: the same for a 2-D
+  ``t``, also writing the transposed fp8 copy: ``(q, q_t, amax, saturated)``.
+* :func:`fp8_max` ``(fp8_dtype)``: the largest finite value of an fp8 format.
 
 Example::
 
@@ -21,13 +26,19 @@ Example::
     >>> unscale_check_([torch.ones(4)], torch.tensor(0.5), found_inf)
 """
 
+from .fp8_cast import amax_and_cast, amax_and_cast_reference, cast_transpose, cast_transpose_reference, fp8_max
 from .scale_update import ScaleState, update_scale_, update_scale_reference
 from .unscale import check_finite_, clear_table_cache, unscale_check_, unscale_check_reference, uses_triton
 
 __all__ = [
     "ScaleState",
+    "amax_and_cast",
+    "amax_and_cast_reference",
+    "cast_transpose",
+    "cast_transpose_reference",
     "check_finite_",
     "clear_table_cache",
+    "fp8_max",
     "unscale_check_",
     "unscale_check_reference",
     "update_scale_",

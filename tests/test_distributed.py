@@ -394,6 +394,51 @@ def failing_worker(rank, how):
     return "finished"
 
 
+def fp8_worker(rank):
+    """DelayedScaling under DDP and FSDP2: each rank sees other activations (rank 1's are
+    three times larger); with amax reduction every rank keeps the same histories, equal to
+    the max of the ranks' own amaxes; without it they differ."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from dispatch_amp import fp8
+
+    def fp8_model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+
+    out = {}
+    for setup in ("ddp", "ddp-no-reduce", "fsdp2"):
+        model = fp8_model()
+        if setup == "fsdp2":
+            fully_shard(model[0])
+            fully_shard(model[2])
+            fully_shard(model)
+        else:
+            model = DDP(model)
+        recipe = fp8.DelayedScaling(amax_history_len=4, reduce_amax=setup != "ddp-no-reduce")
+        if setup != "fsdp2":
+            recipe.bind(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        local_amax = []
+        for step in range(3):
+            x = torch.randn(16, 32, generator=torch.Generator().manual_seed(10 * step + rank)) * (1 + 2 * rank)
+            local_amax.append(x.abs().max())
+            with amp.autocast("cpu", dtype=torch.bfloat16, fp8=recipe):
+                loss = model(x).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        sites = recipe._sites()
+        out[setup] = {
+            "input_history": [site.history["input"][0].clone() for site in sites],
+            "grad_history": [site.history["grad_output"][0].clone() for site in sites],
+            "local_amax": torch.stack(local_amax),
+            "sites": len(sites),
+        }
+    return out
+
+
 # ------------------------------------------------------------------------------------------
 # Fixtures: one spawn per scenario
 # ------------------------------------------------------------------------------------------
@@ -630,3 +675,31 @@ def test_torchrun_example_runs(tmp_path):
     assert len(lines) == 2, stdout
     # Both ranks skipped the poisoned step and hold the same scale.
     assert [line.split("scale", 1)[1] for line in lines] == [" 2048 skipped 1"] * 2, lines
+
+
+# ------------------------------------------------------------------------------------------
+# fp8: delayed scaling's amax is reduced across ranks
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fp8_run(tmp_path_factory):
+    return all_results(run_ranks(fp8_worker, tmp_path_factory.mktemp("fp8"), deadline_s=120.0))
+
+
+@pytest.mark.parametrize("setup", ["ddp", "fsdp2"])
+def test_fp8_delayed_scaling_keeps_one_history_across_ranks(fp8_run, setup):
+    r0, r1 = fp8_run[0][setup], fp8_run[1][setup]
+    assert r0["sites"] == r1["sites"] == 2
+    for key in ("input_history", "grad_history"):
+        assert bits_equal(r0[key], r1[key]), key
+    # The first layer's input is x itself: its history holds the max over both ranks,
+    # newest first (3 steps in a history of 4).
+    want = torch.maximum(r0["local_amax"], r1["local_amax"]).flip(0)
+    assert torch.equal(r0["input_history"][0][:3], want)
+
+
+def test_fp8_without_reduction_the_ranks_histories_differ(fp8_run):
+    r0, r1 = fp8_run[0]["ddp-no-reduce"], fp8_run[1]["ddp-no-reduce"]
+    assert torch.equal(r0["input_history"][0][:3], r0["local_amax"].flip(0))
+    assert not torch.equal(r0["input_history"][0], r1["input_history"][0])

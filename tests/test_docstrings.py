@@ -11,11 +11,13 @@ import pytest
 import torch
 
 import dispatch_amp
+import dispatch_amp.fp8
 import dispatch_amp.kernels
 
 MODULES = sorted(
     [m.name for m in pkgutil.iter_modules(dispatch_amp.__path__, "dispatch_amp.")]
     + [m.name for m in pkgutil.iter_modules(dispatch_amp.kernels.__path__, "dispatch_amp.kernels.")]
+    + [m.name for m in pkgutil.iter_modules(dispatch_amp.fp8.__path__, "dispatch_amp.fp8.")]
 )
 
 
@@ -30,7 +32,7 @@ def test_docstring_examples_run(name):
     assert result.failed == 0, f"{result.failed} of {result.attempted} docstring examples in {name} failed (output above)"
 
 
-@pytest.mark.parametrize("package", [dispatch_amp, dispatch_amp.kernels], ids=lambda p: p.__name__)
+@pytest.mark.parametrize("package", [dispatch_amp, dispatch_amp.kernels, dispatch_amp.fp8], ids=lambda p: p.__name__)
 def test_public_names_have_an_example(package):
     missing = []
     for name in package.__all__:

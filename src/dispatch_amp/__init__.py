@@ -37,6 +37,7 @@ __all__ = [
     "NonFiniteGradient",
     "plot_training",
     "patch_torch",
+    "fp8",
 ]
 
 from .autocast import (  # noqa: E402
@@ -64,3 +65,4 @@ from .opt_levels import (  # noqa: E402
     state_dict,
 )
 from .torch_patch import patch_torch  # noqa: E402
+from . import fp8  # noqa: E402

@@ -12,7 +12,7 @@ import torch
 
 from . import _torch_compat
 from ._state import DeviceContext, ThreadState
-from .op_tables import BANNED, FP32, FP32_UNLESS_DTYPE, LOWER, PROMOTE, CastKind
+from .op_tables import BANNED, FP8, FP32, FP32_UNLESS_DTYPE, LOWER, PROMOTE, CastKind
 
 _Tensor = torch.Tensor
 _float32 = torch.float32
@@ -131,7 +131,9 @@ def target_dtype(kind: CastKind, low: torch.dtype, device_type: str, args, kwarg
     """The dtype ``kind`` casts a call's floating inputs to (None: run as given), with
     ``low`` the region's lower precision. Eager casting and the tracing path both ask
     this; BANNED is the caller's to refuse."""
-    if kind is LOWER:
+    if kind is LOWER or kind is FP8:
+        # fp8 calls the fp8 path does not take (ineligible shapes, the aten level, calls
+        # made inside C++ kernels) run in the region's dtype.
         return low
     if kind is FP32:
         return _float32

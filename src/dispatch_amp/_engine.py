@@ -112,8 +112,10 @@ from ._routing import EXPAND, GETTER, clone_without_dispatch_check, routes_for
 from ._state import STATE, DeviceContext, ThreadState, inside_native_region
 from ._tracing_path import trace_call, trace_key_for
 from .composites import NOT_HANDLED
-from .op_tables import LOWER, CastKind
-from .policy import Policy
+from .fp8 import fp8_linear
+from .fp8._eligibility import fp8_eligible, linear_arguments
+from .op_tables import FP8, LOWER, CastKind
+from .policy import Policy, policy_with_fp8_ops
 
 _Tensor = torch.Tensor
 
@@ -416,6 +418,7 @@ def _refresh(st: ThreadState) -> None:
     st.native_depth = st.depths[-1] if st.depths else -1
     if st.function_mode is not None:
         st.function_mode.trace_key = trace_key_for(st.active)
+        st.function_mode.fp8_recipe = st.primary.fp8 if st.primary is not None else None
 
 
 def clear_cache() -> None:
@@ -428,6 +431,8 @@ class _FunctionLevel(TorchFunctionMode):
     # the policies of our own in force (see "Note: torch.compile"). Dynamo guards on it
     # because the tracing path reads it.
     trace_key: str | None = None
+    # The fp8 recipe of the innermost region, read by the tracing path.
+    fp8_recipe = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if _is_compiling():
@@ -484,6 +489,8 @@ class _FunctionLevel(TorchFunctionMode):
         # is never cast (native does not cast out= overloads either).
         if kwargs and kwargs.get("out") is not None:
             kind = None
+        elif kind is FP8:
+            return _fp8_call(st, ctx, func, args, kwargs)
         return _call_aside(st, func, args, kwargs, kind, ctx)
 
     @staticmethod
@@ -573,6 +580,36 @@ def _call_aside(st: ThreadState, func, args, kwargs, kind=None, ctx: DeviceConte
             _set_native_enabled(device, True)
 
 
+# -- fp8 ------------------------------------------------------------------------------
+_graph_task_id = torch._C._current_graph_task_id
+
+
+def _fp8_call(st: ThreadState, ctx: DeviceContext, func, args, kwargs):
+    """A call the policy marks fp8: scaled fp8 gemms under the region's recipe when the
+    call is eligible (``fp8/_eligibility.py``), else a cast to the region's dtype."""
+    x, weight, bias = linear_arguments(args, kwargs)
+    recipe = ctx.fp8
+    if recipe is None or not fp8_eligible(recipe, ctx.device_type, x, weight, bias):
+        return _call_aside(st, func, args, kwargs, LOWER, ctx)
+    # A forward call made while a backward runs is activation checkpointing recomputing
+    # the forward; one made under a checkpoint will be recomputed. Recipes with state
+    # replay the first's scales for the second (DelayedScaling).
+    if _graph_task_id() != -1:
+        phase = "recompute"
+    elif st.own_checkpoint or _inside_torch_checkpoint():
+        phase = "checkpointed"
+    else:
+        phase = "forward"
+    devices = st.native_devices
+    for device in devices:
+        _set_native_enabled(device, False)
+    try:
+        return fp8_linear(x, weight, bias, recipe, ctx.dtype, recipe._site(weight), phase)
+    finally:
+        for device in devices:
+            _set_native_enabled(device, True)
+
+
 # -- torch.utils.checkpoint under a policy that is not native's -------------------------
 # torch's checkpoint records torch's autocast state at the forward and recomputes under
 # torch.amp.autocast with it during backward. Under a built-in policy that is our state
@@ -617,6 +654,11 @@ def _recomputes_under_patch(ctx: DeviceContext) -> bool:
     if not getattr(opened_by, "_dispatch_amp_patch", False):
         return False
     policy = getattr(opened_by, "_patch_policy", None) or Policy.for_device(ctx.device_type)
+    recipe = getattr(opened_by, "_patch_fp8", None)
+    if recipe is not ctx.fp8:
+        return False
+    if recipe is not None and not policy.ops(FP8):
+        policy = policy_with_fp8_ops(policy)
     if policy != ctx.policy:
         return False
     opened_by._checkpointed_under_policy = True  # read by TorchPatch.stop()

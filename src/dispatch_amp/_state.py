@@ -35,6 +35,8 @@ class DeviceContext:
     dtype: torch.dtype
     policy: Policy
     cache_enabled: bool
+    # The fp8 recipe of the region (dispatch_amp.fp8), for the calls the policy marks fp8.
+    fp8: object = None
     # t -> whether t lives on this device type; resolved once, used for every tensor cast.
     on_device: Callable[[torch.Tensor], bool] = field(init=False, repr=False, compare=False)
     # Whether the policy is not native autocast's table for this device type.

@@ -22,12 +22,16 @@ from ._routing import EXPAND, GETTER, clone_without_dispatch_check
 from ._state import STATE, DeviceContext, native_nesting
 from .composites import NOT_HANDLED
 from .op_tables import BANNED, CastKind
+from .fp8 import fp8_linear
+from .fp8._eligibility import fp8_eligible, linear_arguments
 from .warning_types import AmpNumericsWarning
 
 
 _Tensor = torch.Tensor
 _float64 = torch.float64
 _TRACE_TOKENS: dict = {}
+# One token per fp8 recipe object seen (recipes are mutable: identity is what counts).
+_FP8_TOKENS: dict = {}
 
 
 def trace_key_for(active: tuple[DeviceContext, ...]) -> str | None:
@@ -35,6 +39,7 @@ def trace_key_for(active: tuple[DeviceContext, ...]) -> str | None:
     force, one token per distinct policy (None: built-in policies only)."""
     parts = [
         f"{ctx.device_type}:{_TRACE_TOKENS.setdefault(ctx.policy, len(_TRACE_TOKENS))}"
+        + ("" if ctx.fp8 is None else f":fp8-{_FP8_TOKENS.setdefault(id(ctx.fp8), len(_FP8_TOKENS))}")
         for ctx in active
         if ctx.custom
     ]
@@ -114,12 +119,41 @@ def trace_call(mode: TorchFunctionMode, func, args, kwargs):
         return func(*args, **kwargs) if out is NOT_HANDLED else out
     if action == "banned":
         raise RuntimeError(detail)
+    if action == "cast" and detail[0] == "fp8":
+        traced = _trace_fp8(mode, args, kwargs, device_type, detail[1], devices)
+        if traced is not NOT_HANDLED:
+            return traced
+        detail = ("lower", detail[1])  # not taken by the fp8 path: the region's dtype
     if action == "cast" and not (kwargs and kwargs.get("out") is not None):
         dtype = target_dtype(_KINDS[detail[0]], detail[1], device_type, args, kwargs)
         if dtype is not None:
             args = _trace_cast(args, dtype, device_type)
             kwargs = {k: _trace_cast((v,), dtype, device_type)[0] for k, v in kwargs.items()}
     return _call_native_off(devices, func, args, kwargs)
+
+
+def _trace_fp8(mode, args, kwargs, device_type, dtype, devices):
+    """An fp8 call while Dynamo traces: the fp8 gemms in the graph, or NOT_HANDLED."""
+    recipe = mode.fp8_recipe
+    x, weight, bias = linear_arguments(args, kwargs)
+    if recipe is None or not fp8_eligible(recipe, device_type, x, weight, bias):
+        return NOT_HANDLED
+    # The weight carries its site (fp8/recipes.py): the graph updates its statistics,
+    # and delayed scaling's history, in place.
+    site = recipe._lookup(weight)
+    if site is None and recipe.stateful:
+        _refuse_unbound_site(type(recipe).__name__)
+    return _call_native_off(devices, fp8_linear, (x, weight, bias, recipe, dtype, site), {})
+
+
+@_torch_compat.assume_constant_result
+def _refuse_unbound_site(recipe_name: str) -> bool:
+    # Runs while Dynamo traces: the error reaches the caller of the compiled function.
+    raise RuntimeError(
+        f"{recipe_name} under torch.compile met a weight it has no site for: a compiled graph "
+        f"cannot create one. Call recipe.bind(model) before the first compiled call (or run "
+        f"one step eagerly first)."
+    )
 
 
 def _trace_cast(args, dtype, device_type):

@@ -24,7 +24,9 @@ import warnings
 import torch
 
 from . import _engine, _torch_compat
-from .policy import Policy
+from .fp8.recipes import Recipe
+from .op_tables import FP8, FP8_OPS
+from .policy import Policy, policy_with_fp8_ops
 from .warning_types import CompileFallbackWarning
 
 __all__ = ["autocast", "is_autocast_enabled", "get_autocast_dtype", "clear_autocast_cache", "CompileFallbackWarning"]
@@ -171,6 +173,28 @@ def _usable(device_type: str, dtype: torch.dtype) -> str | None:
     return None
 
 
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+
+
+def _with_fp8(policy: Policy, fp8) -> Policy:
+    """The policy a region applies: with ``fp8``, ``linear`` becomes fp8 unless the policy
+    already names its fp8 ops; without, a policy that names fp8 ops is refused."""
+    marked = policy.ops(FP8)
+    if fp8 is None:
+        if marked:
+            raise ValueError(
+                f"policy {policy.name!r} marks {sorted(marked)} as fp8, but no recipe was given: "
+                f"pass fp8=dispatch_amp.fp8.CurrentScaling() (or DelayedScaling(), RowwiseScaling())"
+            )
+        return policy
+    if not isinstance(fp8, Recipe):
+        raise TypeError(
+            f"fp8 must be a dispatch_amp.fp8 recipe (CurrentScaling(), DelayedScaling(), "
+            f"RowwiseScaling()), got {type(fp8).__name__}"
+        )
+    return policy if marked else policy_with_fp8_ops(policy)
+
+
 class autocast:
     """Context manager and decorator that runs ops in mixed precision.
 
@@ -192,6 +216,10 @@ class autocast:
         policy: the op table to apply; ``None`` means ``Policy.for_device(device_type)``.
             ``Policy.for_device("cuda")`` with ``device_type="cpu"`` applies the CUDA
             table to CPU tensors.
+        fp8: an fp8 recipe (``dispatch_amp.fp8.CurrentScaling()``, ``DelayedScaling()``,
+            ``RowwiseScaling()``): the calls the policy marks ``fp8`` (by default
+            ``linear``) run as scaled fp8 gemms, outputs in ``dtype``. README, "fp8
+            training".
 
     Contexts nest, with each other and with ``torch.autocast``: the innermost one wins,
     and the outer state returns on exit, also when an exception escapes. State is per
@@ -217,8 +245,16 @@ class autocast:
         enabled: bool = True,
         cache_enabled: bool = True,
         policy: Policy | None = None,
+        fp8: Recipe | None = None,
     ):
         device_type = _check_device_type(device_type)
+        if dtype in _FP8_DTYPES:
+            raise ValueError(
+                f"dtype={dtype} cannot be an autocast dtype: torch's autocast state holds the "
+                f"region's float16/bfloat16, and fp8 runs as scaled gemms beside it. Pass "
+                f"dtype=torch.bfloat16 (or float16) and fp8=dispatch_amp.fp8.CurrentScaling() "
+                f"(or DelayedScaling(), RowwiseScaling())"
+            )
         if dtype is None:
             # As native: the dtype torch reports now (the device's default, or that of an
             # enclosing region), read when the context is made.
@@ -238,6 +274,7 @@ class autocast:
                 f"policy must be a dispatch_amp.Policy (e.g. Policy.for_device('cuda')), "
                 f"got {type(policy).__name__}"
             )
+        policy = _with_fp8(policy, fp8)
         if enabled:
             reason = _usable(device_type, dtype)
             if reason is not None:
@@ -248,8 +285,9 @@ class autocast:
         self.enabled = enabled
         self.cache_enabled = cache_enabled
         self.policy = policy
+        self.fp8 = fp8
         # What the engine opens (frozen: the arguments are checked and never change).
-        self._ctx = _engine.DeviceContext(device_type, enabled, dtype, policy, cache_enabled)
+        self._ctx = _engine.DeviceContext(device_type, enabled, dtype, policy, cache_enabled, fp8)
         # thread id -> the frame of each open entry of this object (innermost last)
         self._open: dict[int, list[dict]] = {}
         # Regions entered while Dynamo traced: native regions held open, innermost last.
@@ -398,7 +436,8 @@ class autocast:
     def __repr__(self) -> str:
         return (
             f"autocast({self.device_type!r}, dtype={self.fast_dtype}, enabled={self.enabled}, "
-            f"cache_enabled={self.cache_enabled}, policy={self.policy.name!r})"
+            f"cache_enabled={self.cache_enabled}, policy={self.policy.name!r}"
+            + ("" if self.fp8 is None else f", fp8={self.fp8!r}") + ")"
         )
 
 

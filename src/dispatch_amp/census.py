@@ -30,6 +30,7 @@ from torch.utils.flop_counter import flop_registry
 __all__ = ["PrecisionCensus", "OpCount"]
 
 _CAST_OPS = {torch.ops.aten._to_copy.default}
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 
 
 @dataclass
@@ -129,6 +130,21 @@ class PrecisionCensus:
         total = sum(totals.values())
         return totals.get(dtype, 0) / total if total else 0.0
 
+    def fp8_flops_fraction(self) -> float:
+        """Share of all counted FLOPs that ran as fp8 gemms (``torch._scaled_mm`` with fp8
+        operands of either format; a gemm counts under its first operand's format).
+
+        Example::
+
+            with amp.PrecisionCensus() as census:
+                with amp.autocast("cpu", dtype=torch.bfloat16, fp8=amp.fp8.CurrentScaling()):
+                    model(x)
+            census.fp8_flops_fraction()   # e.g. 0.93
+        """
+        totals = self.flops_by_dtype()
+        total = sum(totals.values())
+        return sum(f for d, f in totals.items() if d in _FP8_DTYPES) / total if total else 0.0
+
     @property
     def cast_bytes(self) -> int:
         """Bytes written by dtype casts (``aten._to_copy`` that changed the dtype)."""
@@ -146,6 +162,9 @@ class PrecisionCensus:
         if total:
             dtype, flops = max(totals.items(), key=lambda kv: kv[1])
             head = f"{100 * flops / total:.1f}% of matmul FLOPs ran in {dtype}"
+            fp8_share = self.fp8_flops_fraction()
+            if fp8_share:
+                head += f" ({100 * fp8_share:.1f}% in fp8)"
         else:
             head = "no matmul/convolution FLOPs counted"
         return f"{head}; {_human_bytes(self.cast_bytes)} of casts ({self.calls} aten calls)"

@@ -30,7 +30,7 @@ __all__ = ["checkpoint"]
 def _reopen(frame: dict):
     """A context that reinstates the autocast frame recorded at the forward."""
     contexts = [
-        autocast(ctx.device_type, ctx.dtype, ctx.enabled, ctx.cache_enabled, ctx.policy)
+        autocast(ctx.device_type, ctx.dtype, ctx.enabled, ctx.cache_enabled, ctx.policy, ctx.fp8)
         for ctx in frame.values()
     ]
 

@@ -21,6 +21,8 @@ Kinds:
     fp32_unless_dtype run in float32 unless the caller passed an explicit ``dtype=``
     promote           run in the widest floating dtype among the inputs
     banned            refuse, with an error naming the safe alternative
+    fp8               run as scaled fp8 gemms under the region's fp8 recipe
+                      (``autocast(..., fp8=recipe)``); only the ops in ``FP8_OPS``
 
 The lists follow native autocast (the ops registered for the AutocastCUDA, AutocastCPU,
 AutocastXPU and AutocastMPS dispatch keys), as the union over the supported torch versions.
@@ -56,6 +58,7 @@ class CastKind(str, Enum):
     FP32_UNLESS_DTYPE = "fp32_unless_dtype"
     PROMOTE = "promote"
     BANNED = "banned"
+    FP8 = "fp8"
 
     def __repr__(self) -> str:
         return repr(self.value)
@@ -68,8 +71,13 @@ FP32 = CastKind.FP32
 FP32_UNLESS_DTYPE = CastKind.FP32_UNLESS_DTYPE
 PROMOTE = CastKind.PROMOTE
 BANNED = CastKind.BANNED
+FP8 = CastKind.FP8
 
 KINDS = tuple(CastKind)
+
+# The ops a policy may mark fp8: a gemm with a 2-D weight, whose three gemms (output,
+# grad_input, grad_weight) the fp8 path implements.
+FP8_OPS = ("linear",)
 
 CUDA_TABLE = {
     LOWER: (

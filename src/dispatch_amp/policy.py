@@ -23,9 +23,9 @@ import torch
 from torch._ops import OpOverload, OpOverloadPacket
 
 from . import _torch_compat, op_tables
-from .op_tables import BANNED, FP32, FP32_UNLESS_DTYPE, KINDS, LOWER, PROMOTE, CastKind
+from .op_tables import BANNED, FP8, FP8_OPS, FP32, FP32_UNLESS_DTYPE, KINDS, LOWER, PROMOTE, CastKind
 
-__all__ = ["Policy", "CastKind", "LOWER", "FP32", "FP32_UNLESS_DTYPE", "PROMOTE", "BANNED"]
+__all__ = ["Policy", "CastKind", "LOWER", "FP32", "FP32_UNLESS_DTYPE", "PROMOTE", "BANNED", "FP8"]
 
 OpLike = str | OpOverloadPacket | OpOverload
 
@@ -82,8 +82,16 @@ def _rules_from_table(table: Mapping[str, Iterable[OpLike]]) -> dict[str, CastKi
                     f"{name} is registered twice, as {rules[name]!r} and as {kind!r}: "
                     f"an op has exactly one cast kind"
                 )
+            if kind is FP8 and name not in _FP8_NAMES:
+                raise ValueError(
+                    f"{name} cannot be fp8: the fp8 path implements {list(_FP8_NAMES)} "
+                    f"(a gemm with a 2-D weight, forward and both gradients)"
+                )
             rules[name] = kind
     return rules
+
+
+_FP8_NAMES = tuple(f"aten::{op}" for op in FP8_OPS)
 
 
 class Policy:
@@ -159,6 +167,7 @@ class Policy:
         fp32_unless_dtype: Iterable[OpLike] = (),
         promote: Iterable[OpLike] = (),
         banned: Iterable[OpLike] = (),
+        fp8: Iterable[OpLike] = (),
         name: str | None = None,
     ) -> Policy:
         """A copy with ops added, or moved to another kind if they were already listed.
@@ -171,7 +180,7 @@ class Policy:
         """
         changes = _rules_from_table(
             {LOWER: lower, FP32: fp32, FP32_UNLESS_DTYPE: fp32_unless_dtype,
-             PROMOTE: promote, BANNED: banned}
+             PROMOTE: promote, BANNED: banned, FP8: fp8}
         )
         rules = dict(self._rules)
         rules.update(changes)
@@ -214,6 +223,25 @@ class Policy:
     def __repr__(self) -> str:
         counts = ", ".join(f"{kind}={len(self.ops(kind))}" for kind in KINDS)
         return f"Policy(name={self.name!r}, {counts})"
+
+
+def policy_with_fp8_ops(policy: Policy) -> Policy:
+    """``policy`` with ``op_tables.FP8_OPS`` marked fp8: what a region given ``fp8=`` and a
+    policy that names no fp8 op applies. Memoized (regions are made once per step).
+
+    Example::
+
+        >>> policy_with_fp8_ops(Policy.for_device("cpu")).kind_of("linear")
+        'fp8'
+    """
+    name = f"{policy.name} with fp8 {', '.join(FP8_OPS)}"
+    derived = _WITH_FP8.get((policy._key, name))
+    if derived is None:
+        derived = _WITH_FP8[(policy._key, name)] = policy.with_ops(fp8=FP8_OPS, name=name)
+    return derived
+
+
+_WITH_FP8: dict[tuple[str, str], Policy] = {}
 
 
 def _derived_name(base: str) -> str:

@@ -45,6 +45,7 @@ import torch.amp.autocast_mode
 
 from .autocast import autocast
 from .grad_scaler import GradScaler as _OurGradScaler
+from .fp8.recipes import Recipe
 from .policy import BUILTIN_DEVICES, Policy
 from .warning_types import AmpNumericsWarning
 
@@ -115,7 +116,7 @@ cuda_GradScaler = _device_scaler_class("cuda")
 _DEVICE_SCALERS = {"cpu": cpu_GradScaler, "cuda": cuda_GradScaler}
 
 
-def _autocast_class(policy: Policy | None) -> type:
+def _autocast_class(policy: Policy | None, fp8: Recipe | None = None) -> type:
     """``dispatch_amp.autocast`` that takes exactly what ``torch.autocast`` takes."""
 
     class autocast_with_torch_signature(autocast, metaclass=_TorchsObjectsPass):
@@ -146,6 +147,7 @@ def _autocast_class(policy: Policy | None) -> type:
                 enabled,
                 True if cache_enabled is None else cache_enabled,
                 policy,
+                fp8,
             )
 
         def __call__(self, func):
@@ -166,6 +168,7 @@ def _autocast_class(policy: Policy | None) -> type:
     # The engine reads it: torch's checkpoint reopens torch.amp.autocast, this class, for
     # its recomputation, so under this policy that recomputation is ours.
     autocast_with_torch_signature._patch_policy = policy
+    autocast_with_torch_signature._patch_fp8 = fp8
     return autocast_with_torch_signature
 
 
@@ -185,9 +188,9 @@ def _device_autocast_class(base: type, device_type: str, default_dtype: torch.dt
     return device_autocast
 
 
-def _replacements(policy: Policy | None) -> list[tuple[object, str, object]]:
+def _replacements(policy: Policy | None, fp8: Recipe | None = None) -> list[tuple[object, str, object]]:
     """(module, attribute, replacement) for every attribute a patch touches, in order."""
-    ours = _autocast_class(policy)
+    ours = _autocast_class(policy, fp8)
     table: list[tuple[object, str, object]] = [
         (torch, "autocast", ours),
         (torch.amp, "autocast", ours),
@@ -220,10 +223,13 @@ class TorchPatch:
         False
     """
 
-    def __init__(self, policy: Policy | None = None) -> None:
+    def __init__(self, policy: Policy | None = None, fp8: Recipe | None = None) -> None:
         if policy is not None and not isinstance(policy, Policy):
             raise TypeError(f"policy must be a dispatch_amp.Policy or None, got {type(policy).__name__}")
+        if fp8 is not None and not isinstance(fp8, Recipe):
+            raise TypeError(f"fp8 must be a dispatch_amp.fp8 recipe or None, got {type(fp8).__name__}")
         self.policy = policy
+        self.fp8 = fp8
         self._saved: list[tuple[object, str, object]] | None = None
 
     @property
@@ -246,7 +252,7 @@ class TorchPatch:
             ...     torch.amp.GradScaler.__module__
             'dispatch_amp.torch_patch'
         """
-        table = _replacements(self.policy)
+        table = _replacements(self.policy, self.fp8)
         # One lock for every patch: the check and the writes of one start() or stop() must
         # not interleave with another thread's, or a patch saves another's replacements
         # as torch's originals and torch stays patched after both stop.
@@ -284,8 +290,8 @@ class TorchPatch:
             self._saved = None
         if getattr(installed, "_checkpointed_under_policy", False):
             warnings.warn(
-                f"torch.utils.checkpoint ran under this patch with policy "
-                f"{self.policy.name!r}: its recomputation reopens torch.amp.autocast, which "
+                f"torch.utils.checkpoint ran under this patch with "
+                f"{_what_the_patch_applies(self)}: its recomputation reopens torch.amp.autocast, which "
                 f"is dispatch_amp's only while the patch is active. A backward() run after "
                 f"stop() would recompute under native torch.autocast, with other casts than "
                 f"the forward's. Run backward inside the patch, or use dispatch_amp.checkpoint.",
@@ -300,14 +306,24 @@ class TorchPatch:
         self.stop()
 
     def __repr__(self) -> str:
-        return f"TorchPatch(active={self.active}, policy={self.policy and self.policy.name!r})"
+        fp8 = "" if self.fp8 is None else f", fp8={self.fp8!r}"
+        return f"TorchPatch(active={self.active}, policy={self.policy and self.policy.name!r}{fp8})"
 
 
-def patch_torch(policy: Policy | None = None) -> TorchPatch:
+def _what_the_patch_applies(patch: TorchPatch) -> str:
+    parts = [] if patch.policy is None else [f"policy {patch.policy.name!r}"]
+    if patch.fp8 is not None:
+        parts.append(f"fp8={type(patch.fp8).__name__}")
+    return " and ".join(parts)
+
+
+def patch_torch(policy: Policy | None = None, fp8: Recipe | None = None) -> TorchPatch:
     """A patch that makes torch's AMP names (``torch.autocast``, ``torch.amp.GradScaler``, ...) ours.
 
     Use it as ``with amp.patch_torch(): ...`` or ``patch.start()`` / ``patch.stop()``.
     ``policy``: the op table the patched autocast applies (default: the device's).
+    ``fp8``: an fp8 recipe every patched region applies (``autocast(..., fp8=)``); torch's
+    checkpoint then recomputes in fp8 too.
     The module docstring lists exactly which attributes change and what cannot be reached.
 
     Example::
@@ -318,4 +334,4 @@ def patch_torch(policy: Policy | None = None) -> TorchPatch:
         >>> type(scaler).__mro__[1].__module__, scaler.get_scale()
         ('dispatch_amp.grad_scaler', 8.0)
     """
-    return TorchPatch(policy)
+    return TorchPatch(policy, fp8)

@@ -1,0 +1,62 @@
+"""Which ``linear`` calls the fp8 path takes (the others run in the region's dtype)."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _torch_compat
+
+from .recipes import Recipe
+
+__all__ = ["linear_arguments", "fp8_eligible"]
+
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+# Input dtypes the fp8 path quantizes from (float64 is never cast by autocast).
+_SOURCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def linear_arguments(args, kwargs):
+    """``(input, weight, bias)`` of an ``F.linear`` call, however it was spelled."""
+    names = ("input", "weight", "bias")
+    values = list(args) + [None] * (3 - len(args))
+    for i, name in enumerate(names):
+        if name in kwargs:
+            values[i] = kwargs[name]
+    return values[0], values[1], values[2]
+
+
+def _plain(t) -> bool:
+    # Tensor subclasses (DTensor, quantized wrappers) keep their own dispatch.
+    return t.__class__ is _Tensor or t.__class__ is _Parameter
+
+
+_LOOK_UP = object()
+
+
+def fp8_eligible(recipe: Recipe, device_type: str, x, weight, bias, name=_LOOK_UP) -> bool:
+    """Whether this ``linear`` call runs as fp8 gemms under ``recipe``.
+
+    Plain floating tensors (float32, bfloat16, float16) on the region's device type, a
+    2-D weight, shapes ``recipe.eligible`` accepts (every gemm dimension a multiple of 16,
+    then the recipe's ``filter_fn``, given ``name``: by default the weight's site name).
+
+    Example::
+
+        >>> from dispatch_amp.fp8 import CurrentScaling
+        >>> fp8_eligible(CurrentScaling(), "cpu", torch.randn(16, 32), torch.randn(16, 32), None)
+        True
+    """
+    for t in (x, weight) if bias is None else (x, weight, bias):
+        if not isinstance(t, _Tensor) or not _plain(t) or t.dtype not in _SOURCE_DTYPES:
+            return False
+        if t.device.type != device_type:
+            return False
+    if weight.dim() != 2 or (bias is not None and bias.shape != (weight.shape[0],)):
+        return False
+    if name is _LOOK_UP:
+        name = recipe.site_name(weight)
+    return recipe.eligible(name, x.shape, weight.shape)
+
+
+_torch_compat.keep_out_of_dynamo(globals(), __name__)
