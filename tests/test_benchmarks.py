@@ -19,6 +19,8 @@ HEADERS = [
     "## scaler", "### scaler: unscale + check", "### scaler: step + update",
     "## kernels", "### kernels: static PTX",
     "## compile", "### compile: ms per training step",
+    "## fp8", "### fp8: linear forward + backward", "### fp8: ours vs torchao float8 training",
+    "### fp8: GPT training step", "### fp8: GPT peak memory",
 ]
 
 

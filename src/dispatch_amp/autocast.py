@@ -413,7 +413,7 @@ class autocast:
         @functools.wraps(func)
         def decorated(*args, **kwargs):
             with autocast(
-                self.device_type, self.fast_dtype, self.enabled, self.cache_enabled, self.policy
+                self.device_type, self.fast_dtype, self.enabled, self.cache_enabled, self.policy, self.fp8
             ):
                 return func(*args, **kwargs)
 

@@ -108,12 +108,19 @@ def test_delayed_scaling_needs_bound_sites_under_compile():
             compiled(torch.randn(16, 32))
 
 
-def test_inductor_compiles_the_fp8_model_in_one_graph():
-    model = _model()
-    recipe = fp8.CurrentScaling()
-    x = torch.randn(16, 32)
-    with amp.autocast("cpu", dtype=torch.bfloat16, fp8=recipe):
-        eager = model(x)
-        compiled = torch.compile(model, backend="inductor", fullgraph=True)(x)
-    assert compiled.dtype is torch.bfloat16
-    torch.testing.assert_close(compiled.float(), eager.float(), atol=2e-2, rtol=2e-2)
+@pytest.mark.parametrize("make", [fp8.CurrentScaling, fp8.RowwiseScaling], ids=lambda m: m.__name__)
+def test_inductor_compiles_the_fp8_model_in_one_graph(make):
+    # Inductor lowers _scaled_mm with its own layout checks (the second operand
+    # column-major), forward and backward.
+    recipe = make()
+    x = torch.randn(16, 32, requires_grad=True)
+    out = {}
+    for name, model in (("eager", _model()), ("inductor", torch.compile(_model(), backend="inductor", fullgraph=True))):
+        with amp.autocast("cpu", dtype=torch.bfloat16, fp8=recipe):
+            y = model(x)
+        y.float().sum().backward()
+        out[name] = (y, x.grad)
+        x.grad = None
+    assert out["inductor"][0].dtype is torch.bfloat16
+    for got, want in zip(out["inductor"], out["eager"]):
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)

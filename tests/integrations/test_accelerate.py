@@ -171,3 +171,17 @@ def test_install_amp_checks_every_argument_before_changing_the_accelerator():
     assert {name: getattr(accelerator, name) for name in before} == before
     assert getattr(accelerator, "dispatch_amp", None) is None
     install_amp(accelerator, dtype="bf16", policy=amp.Policy.for_device("cpu"))  # still possible
+
+
+def test_install_amp_takes_an_fp8_recipe():
+    from dispatch_amp import fp8
+
+    recipe = fp8.CurrentScaling()
+    accelerator = Accelerator(cpu=True)
+    hooks = install_amp(accelerator, dtype=torch.bfloat16, fp8=recipe)
+    assert hooks.fp8 is recipe and "fp8=CurrentScaling(" in repr(hooks.make_autocast())
+    model = accelerator.prepare(torch.nn.Linear(16, 16))
+    model(torch.ones(16, 16)).float().sum().backward()
+    assert [r.calls for r in recipe.report()] == [1]
+    with pytest.raises(TypeError, match="fp8 must be a dispatch_amp.fp8 recipe"):
+        install_amp(Accelerator(cpu=True), dtype=torch.bfloat16, fp8="e4m3")

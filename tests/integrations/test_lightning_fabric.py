@@ -111,3 +111,22 @@ def test_the_plugin_with_a_policy_pickles_and_deep_copies():
         assert again.policy == policy and again.policy.name == "fp32-linear"
         with again.forward_context():
             assert torch.nn.Linear(2, 2)(torch.ones(1, 2)).dtype is torch.float32
+
+
+def test_fabric_autocast_applies_the_plugins_fp8_recipe_and_copies_keep_it():
+    import copy
+    import pickle
+
+    from dispatch_amp import fp8
+
+    plugin = MixedPrecision("bf16-mixed", "cpu", fp8=fp8.CurrentScaling())
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    layer = torch.nn.Linear(16, 16)
+    with fabric.autocast():
+        assert layer(torch.ones(16, 16)).dtype is torch.bfloat16
+    assert [r.calls for r in plugin.fp8.report()] == [1]
+    for again in (copy.deepcopy(plugin), pickle.loads(pickle.dumps(plugin))):
+        assert isinstance(again.fp8, fp8.CurrentScaling) and again.fp8 is not plugin.fp8
+        with again.forward_context():
+            layer(torch.ones(16, 16))
+        assert [r.calls for r in again.fp8.report()] == [1]

@@ -146,3 +146,41 @@ def test_plugin_arguments_are_checked():
     policy = amp.Policy.for_device("cpu").with_ops(fp32=["linear", "addmm", "mm"])
     with MixedPrecision("bf16-mixed", "cpu", policy=policy).forward_context():
         assert torch.nn.Linear(2, 2)(torch.ones(1, 2)).dtype is torch.float32
+
+
+class Fp8Tiny(pl.LightningModule):
+    """Dimensions the fp8 gemms take (multiples of 16)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+        self.out_dtypes = []
+
+    def training_step(self, batch, batch_idx):
+        out = self.net(batch[0])
+        self.out_dtypes.append(out.dtype)
+        return out.float().pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        data = torch.utils.data.TensorDataset(torch.randn(16, 16, generator=torch.Generator().manual_seed(1)))
+        return torch.utils.data.DataLoader(data, batch_size=16)
+
+
+def test_the_plugin_takes_an_fp8_recipe():
+    from dispatch_amp import fp8
+
+    plugin = MixedPrecision("bf16-mixed", "cpu", fp8=fp8.DelayedScaling(amax_history_len=4))
+    model = Fp8Tiny()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, plugins=[plugin], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(does not have many workers|bfloat16|GPU available).*")
+        trainer.fit(model)
+    recipe = trainer.precision_plugin.fp8
+    assert isinstance(recipe, fp8.DelayedScaling) and "fp8=DelayedScaling(" in repr(trainer.precision_plugin)
+    assert model.out_dtypes == [torch.bfloat16] * 3
+    assert sorted(r.calls for r in recipe.report()) == [3, 3]  # both linears, every step, in fp8

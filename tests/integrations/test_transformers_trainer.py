@@ -144,3 +144,21 @@ def test_the_mixin_takes_a_policy_and_checks_its_arguments(tmp_path):
     args = transformers.TrainingArguments(str(tmp_path), use_cpu=True, report_to=[])
     with pytest.raises(ValueError, match="set bf16=True or fp16=True"):
         MyTrainer(model=_model(), args=args, amp_policy=policy)
+
+
+def test_the_mixin_takes_an_fp8_recipe(tmp_path):
+    from dispatch_amp import fp8
+
+    recipe = fp8.CurrentScaling()
+
+    class MyTrainer(AmpTrainerMixin, transformers.Trainer):
+        pass
+
+    AcceleratorState._reset_state(True)
+    args = transformers.TrainingArguments(str(tmp_path), use_cpu=True, bf16=True, report_to=[])
+    trainer = MyTrainer(model=_model(), args=args, amp_fp8=recipe)
+    assert trainer.accelerator.dispatch_amp.fp8 is recipe
+    AcceleratorState._reset_state(True)
+    args = transformers.TrainingArguments(str(tmp_path), use_cpu=True, report_to=[])
+    with pytest.raises(ValueError, match="amp_fp8 were given"):
+        MyTrainer(model=_model(), args=args, amp_fp8=recipe)

@@ -27,8 +27,10 @@ def linear_arguments(args, kwargs):
 
 
 def _plain(t) -> bool:
-    # Tensor subclasses (DTensor, quantized wrappers) keep their own dispatch.
-    return t.__class__ is _Tensor or t.__class__ is _Parameter
+    # Tensor subclasses (DTensor, quantized wrappers) keep their own dispatch. type(), not
+    # t.__class__: Dynamo before torch 2.13 answers the latter wrongly for a Parameter.
+    cls = type(t)
+    return cls is _Tensor or cls is _Parameter
 
 
 _LOOK_UP = object()

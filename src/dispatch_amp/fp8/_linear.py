@@ -33,6 +33,15 @@ def _transposed(q: torch.Tensor, q_t: torch.Tensor | None) -> torch.Tensor:
     return q.t().contiguous() if q_t is None else q_t
 
 
+def _mm(a: torch.Tensor, b_rows: torch.Tensor, a_inv, b_inv, out_dtype) -> torch.Tensor:
+    """``a @ b_rows.T`` for fp8 ``a`` (M, K) and ``b_rows`` (N, K), both laid out along K.
+
+    cuBLAS takes the first operand row-major and the second column-major, and so do
+    torch.compile's lowerings: ``b_rows.T`` of a contiguous ``b_rows`` is exactly that.
+    """
+    return _scaled_mm(a.contiguous(), b_rows.contiguous().t(), scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype)
+
+
 class _Fp8Linear(torch.autograd.Function):
     # Takes the forward's fp8 operands ready-made (``fp8_linear`` quantizes them, outside
     # the Function, where recording statistics and advancing delayed scaling's history are
@@ -44,8 +53,8 @@ class _Fp8Linear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, xq, x_inv, xq_t, wq, w_inv, wq_t, recipe: Recipe, site,
                 out_dtype: torch.dtype):
         with torch.autocast(x.device.type, enabled=False):
-            y = _scaled_mm(xq, wq.t(), scale_a=x_inv, scale_b=w_inv.t() if recipe.rowwise else w_inv,
-                           out_dtype=out_dtype if bias is None else _float32)
+            y = _mm(xq, wq, x_inv, w_inv.t() if recipe.rowwise else w_inv,
+                    out_dtype if bias is None else _float32)
             if bias is not None:
                 y = (y + bias.to(_float32)).to(out_dtype)
         if recipe.rowwise:
@@ -76,7 +85,7 @@ class _Fp8Linear(torch.autograd.Function):
             if need_x:
                 dyq, dy_inv, _ = recipe._quantize(dy2, "grad_output", fmt, site, True)
                 wtq, wt_inv, _ = recipe._quantize(weight.t(), "weight", recipe.forward_format, None, False)
-                dx = _scaled_mm(dyq, wtq.t(), scale_a=dy_inv, scale_b=wt_inv.t(), out_dtype=ctx.x_dtype)
+                dx = _mm(dyq, wtq, dy_inv, wt_inv.t(), ctx.x_dtype)
             if need_w:
                 if recipe.weight_grad_high_precision:
                     low = ctx.out_dtype
@@ -84,20 +93,18 @@ class _Fp8Linear(torch.autograd.Function):
                 else:
                     dytq, dyt_inv, _ = recipe._quantize(dy2.t(), "grad_output", fmt, site, not need_x)
                     xtq, xt_inv, _ = recipe._quantize(x2.t(), "input", recipe.forward_format, None, False)
-                    dw = _scaled_mm(dytq, xtq.t(), scale_a=dyt_inv, scale_b=xt_inv.t(), out_dtype=w_dtype)
+                    dw = _mm(dytq, xtq, dyt_inv, xt_inv.t(), w_dtype)
         else:
             xq, wq, x_inv, w_inv, xq_t, wq_t = ctx.saved_tensors
             if need_x or need_w:
-                # cuBLAS takes the second operand column-major: (N, K) from w's transposed
-                # copy, (M, K) from x's. grad_output is needed row-major and transposed.
+                # dx = dy @ w contracts along N: w.T's rows; dw = dy.T @ x along M: the
+                # rows of dy.T and x.T. Each transposed copy is the cast kernel's (CUDA).
                 dyq, dy_inv, dyq_t = recipe._quantize(dy2, "grad_output", fmt, site, True, transpose=need_w)
                 if need_x:
-                    dx = _scaled_mm(dyq, _transposed(wq, wq_t).t(), scale_a=dy_inv, scale_b=w_inv,
-                                    out_dtype=ctx.x_dtype)
+                    dx = _mm(dyq, _transposed(wq, wq_t), dy_inv, w_inv, ctx.x_dtype)
                 if need_w:
                     # grad_weight keeps the weight parameter's dtype (its .grad)
-                    dw = _scaled_mm(_transposed(dyq, dyq_t), _transposed(xq, xq_t).t(), scale_a=dy_inv,
-                                    scale_b=x_inv, out_dtype=ctx.weight_dtype)
+                    dw = _mm(_transposed(dyq, dyq_t), _transposed(xq, xq_t), dy_inv, x_inv, ctx.weight_dtype)
         if need_b:
             db = dy2.to(_float32).sum(0).to(ctx.bias_dtype)
         if dx is not None:

@@ -16,6 +16,7 @@ Roles: each fp8 gemm call quantizes its ``input`` and ``weight`` in the forward 
 from __future__ import annotations
 
 import collections
+import inspect
 import itertools
 import weakref
 from collections.abc import Callable, Mapping
@@ -348,6 +349,18 @@ class Recipe:
                                  f"{r.scale[role]:.4g} | {r.saturated[role]} |")
         return "\n".join(lines)
 
+    # -- copies ---------------------------------------------------------------------------
+    # Pickled and deep-copied as configuration plus the state of named sites (Lightning
+    # deep-copies and pickles precision plugins, which may hold a recipe). A copy is a
+    # recipe of its own: no weight knows it until it is bound.
+    def __reduce__(self):
+        params = inspect.signature(type(self).__init__).parameters
+        config = {name: getattr(self, name) for name in params if name != "self"}
+        return _rebuild_recipe, (type(self), config, self._named_state())
+
+    def _named_state(self) -> dict:
+        return {}
+
     def _describe(self) -> str:
         return (f"forward_format={self.forward_format}, grad_format={self.grad_format}"
                 + (", power_of_two=True" if self.power_of_two else "")
@@ -355,6 +368,13 @@ class Recipe:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._describe()})"
+
+
+def _rebuild_recipe(cls, config: dict, state: dict) -> Recipe:
+    recipe = cls(**config)
+    if state:
+        recipe.load_state_dict(state)
+    return recipe
 
 
 class CurrentScaling(Recipe):
@@ -510,6 +530,9 @@ class DelayedScaling(Recipe):
                 "recipe.bind(model) before the first forward so that the state can be saved by "
                 "module name and loaded into a fresh model"
             )
+        return self._named_state()
+
+    def _named_state(self) -> dict:
         sites = {}
         for name, site in self._named.items():
             sites[name] = {}

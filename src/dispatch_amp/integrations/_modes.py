@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ..grad_scaler import GradScaler
+from ..fp8.recipes import Recipe
 from ..policy import Policy
 
 PRECISIONS: dict[str, torch.dtype] = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
@@ -66,8 +67,8 @@ def make_scaler(
 class PolicyPrecision:
     """The part the Trainer and Fabric plugins share; put it before Lightning's class.
 
-    Takes Lightning's ``(precision, device, scaler)`` plus ``policy=`` and
-    ``scaler_options=``; the subclass names its autocast in ``_region()``, built once here
+    Takes Lightning's ``(precision, device, scaler)`` plus ``policy=``,
+    ``scaler_options=`` and ``fp8=`` (an fp8 recipe for every forward); the subclass names its autocast in ``_region()``, built once here
     so a bad device or policy fails when the plugin is made, not at the first step.
 
     Example::
@@ -84,13 +85,16 @@ class PolicyPrecision:
         *,
         policy: Policy | None = None,
         scaler_options: Mapping[str, Any] | None = None,
+        fp8: Recipe | None = None,
     ) -> None:
         super().__init__(precision, device, make_scaler(precision, device, scaler, scaler_options))
         self.policy = policy
+        self.fp8 = fp8
         self._region()
 
     def _region(self):
         raise NotImplementedError
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.precision!r}, {self.device!r}, policy={self.policy and self.policy.name!r})"
+        fp8 = "" if self.fp8 is None else f", fp8={self.fp8!r}"
+        return f"{type(self).__name__}({self.precision!r}, {self.device!r}, policy={self.policy and self.policy.name!r}{fp8})"

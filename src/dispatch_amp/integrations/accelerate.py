@@ -39,6 +39,7 @@ from accelerate.utils import DistributedType, convert_outputs_to_fp32
 
 from ..autocast import autocast
 from ..grad_scaler import GradScaler
+from ..fp8.recipes import Recipe
 from ..policy import BUILTIN_DEVICES, Policy
 
 __all__ = ["install_amp", "AmpHooks"]
@@ -74,7 +75,7 @@ def _resolve_dtype(accelerator: Accelerator, dtype: torch.dtype | str | None) ->
 class AmpHooks:
     """The methods :func:`install_amp` puts on one Accelerator; reachable as ``accelerator.dispatch_amp``.
 
-    Attributes: ``device_type``, ``dtype``, ``policy``, ``scaler``.
+    Attributes: ``device_type``, ``dtype``, ``policy``, ``scaler``, ``fp8``.
 
     Example::
 
@@ -84,12 +85,14 @@ class AmpHooks:
         (torch.bfloat16, None)
     """
 
-    def __init__(self, accelerator: Accelerator, dtype: torch.dtype, policy: Policy | None, scaler: Any) -> None:
+    def __init__(self, accelerator: Accelerator, dtype: torch.dtype, policy: Policy | None, scaler: Any,
+                 fp8: Recipe | None = None) -> None:
         self.accelerator = accelerator
         self.device_type = accelerator.device.type
         self.dtype = dtype
         self.policy = policy
         self.scaler = scaler
+        self.fp8 = fp8
         # The unbound originals: the instance attributes set by install_amp shadow them.
         self._prepare_model = type(accelerator).prepare_model
 
@@ -111,6 +114,7 @@ class AmpHooks:
             enabled=options.get("enabled", True),
             cache_enabled=True if cache_enabled is None else cache_enabled,
             policy=self.policy,
+            fp8=self.fp8,
         )
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
@@ -191,6 +195,7 @@ def install_amp(
     policy: Policy | None = None,
     scaler: Any = None,
     scaler_options: Mapping[str, Any] | None = None,
+    fp8: Recipe | None = None,
 ) -> AmpHooks:
     """Make ``accelerator`` run dispatch_amp's autocast and (for float16) GradScaler.
 
@@ -203,6 +208,7 @@ def install_amp(
         policy: the ``dispatch_amp.Policy`` to apply; default the device's.
         scaler: the GradScaler for float16; default ``dispatch_amp.GradScaler(device)``.
         scaler_options: keyword arguments for the default GradScaler, instead of ``scaler``.
+        fp8: an fp8 recipe (``dispatch_amp.fp8``) every forward applies.
 
     Returns the :class:`AmpHooks` now installed (also ``accelerator.dispatch_amp``). The
     module docstring lists everything this changes on the Accelerator.
@@ -246,9 +252,9 @@ def install_amp(
 
     # Every argument is checked before the Accelerator changes: a region built here
     # refuses a policy that is not a Policy, as prepare() would, only later.
-    autocast(accelerator.device.type, dtype, enabled=False, policy=policy)
+    autocast(accelerator.device.type, dtype, enabled=False, policy=policy, fp8=fp8)
 
-    hooks = AmpHooks(accelerator, dtype, policy, scaler)
+    hooks = AmpHooks(accelerator, dtype, policy, scaler, fp8)
     accelerator.native_amp = False
     accelerator.scaler = scaler
     accelerator.prepare_model = hooks.prepare_model

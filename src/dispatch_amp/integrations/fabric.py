@@ -61,5 +61,5 @@ class MixedPrecision(PolicyPrecision, _FabricMixedPrecision):
         return self._region()
 
     def _region(self) -> autocast:
-        return autocast(self.device, self._desired_input_dtype, policy=self.policy)
+        return autocast(self.device, self._desired_input_dtype, policy=self.policy, fp8=self.fp8)
 

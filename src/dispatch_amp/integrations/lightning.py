@@ -68,7 +68,8 @@ class MixedPrecision(PolicyPrecision, _LightningMixedPrecision):
         return self._region()
 
     def _region(self) -> autocast:
-        return autocast(self.device, precision_dtype(self.precision), cache_enabled=False, policy=self.policy)
+        return autocast(self.device, precision_dtype(self.precision), cache_enabled=False, policy=self.policy,
+                        fp8=self.fp8)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Moves the scaler state from this class's name to the stock plugin's.

@@ -30,6 +30,7 @@ from typing import Any
 
 import transformers
 
+from ..fp8.recipes import Recipe
 from ..policy import Policy
 from .accelerate import install_amp
 
@@ -41,7 +42,8 @@ class AmpTrainerMixin:
 
     Extra keyword arguments, all optional: ``amp_policy`` (a ``dispatch_amp.Policy``),
     ``amp_scaler`` (a GradScaler for ``fp16=True``) or ``amp_scaler_options`` (keyword
-    arguments for the default ``dispatch_amp.GradScaler``).
+    arguments for the default ``dispatch_amp.GradScaler``), ``amp_fp8`` (an fp8 recipe
+    from ``dispatch_amp.fp8``).
 
     Example::
 
@@ -60,12 +62,14 @@ class AmpTrainerMixin:
         amp_policy: Policy | None = None,
         amp_scaler: Any = None,
         amp_scaler_options: Mapping[str, Any] | None = None,
+        amp_fp8: Recipe | None = None,
         **kwargs: Any,
     ) -> None:
         # Set before Trainer.__init__, which creates the Accelerator.
         self.amp_policy = amp_policy
         self.amp_scaler = amp_scaler
         self.amp_scaler_options = amp_scaler_options
+        self.amp_fp8 = amp_fp8
         super().__init__(*args, **kwargs)
 
     def create_accelerator_and_postprocess(self) -> None:
@@ -87,10 +91,11 @@ class AmpTrainerMixin:
                 policy=self.amp_policy,
                 scaler=self.amp_scaler,
                 scaler_options=self.amp_scaler_options,
+                fp8=self.amp_fp8,
             )
-        elif self.amp_policy is not None or self.amp_scaler is not None or self.amp_scaler_options is not None:
+        elif any(v is not None for v in (self.amp_policy, self.amp_scaler, self.amp_scaler_options, self.amp_fp8)):
             raise ValueError(
-                f"amp_policy/amp_scaler/amp_scaler_options were given, but TrainingArguments "
+                f"amp_policy/amp_scaler/amp_scaler_options/amp_fp8 were given, but TrainingArguments "
                 f"select mixed_precision={self.args.mixed_precision!r}; set bf16=True or "
                 "fp16=True in TrainingArguments"
             )

@@ -1,0 +1,520 @@
+"""fp8: fp8 training (``dispatch_amp.autocast(..., fp8=recipe)``) against bfloat16, and against torchao.
+
+Configurations: "bf16" (``dispatch_amp.autocast`` bfloat16 without fp8), "fp8 current",
+"fp8 delayed" and "fp8 rowwise" (the region with ``fp8.CurrentScaling()``,
+``DelayedScaling()``, ``RowwiseScaling()``), each eager and compiled (``torch.compile``,
+inductor; aot_eager with ``--quick``; ``DelayedScaling`` bound to the model first).
+
+1. Linear forward + backward, M x K x N = 4096 x 8192 x 16384: input (M, K) bfloat16
+   requiring grad, weight (N, K) float32 parameter with a bias, ``y.backward(dy)`` with a
+   fixed bfloat16 ``dy``. Reported: ms per forward + backward, speedup over bf16 in the same
+   mode (median of per-round ratios bf16 time / fp8 time). Target: eager fp8 current
+   >= 1.25x. If torchao is importable (never required): its float8 training
+   (``convert_to_float8_training`` on the same Linear wrapped in a module, tensorwise
+   dynamic scaling, under ``torch.autocast`` bfloat16, compiled) against ours compiled
+   with CurrentScaling, the same scaling; target ours / torchao <= 1.03.
+2. A GPT training step, AdamW: vocab 32000, d_model 2048, 16 pre-norm blocks (16 heads,
+   ``nn.Linear`` qkv / proj / MLP, causal ``F.scaled_dot_product_attention``), 8 x 2048
+   tokens; bf16, fp8 current, fp8 delayed, eager and compiled. Reported: tokens/s and the
+   fp8 / bf16 tokens/s ratio (median of per-round ratios), target >= 1.15. Peak memory
+   (eager): one process per configuration (``run.py --child``), which resets
+   ``torch.cuda.max_memory_allocated`` after a warm-up step and reads it after two steps,
+   so the timings never share a process with it; target fp8 peak <= bf16 peak.
+
+Method: the configurations of a table share one set of weights (for the GPT one model
+and one optimizer: a copy per configuration, AdamW states included, would not fit beside
+the activations), are interleaved in rotating order after warm-up (compilation included),
+each sample a few calls between ``torch.cuda.synchronize()``; medians, and ratios as the
+median of per-round ratios.
+
+Correctness, on every device: before any timing each configuration runs once from the
+same weights and inputs (no optimizer step); reported per configuration is the max
+relative error of its output (the loss, for the GPT) and gradients against bf16 in the same
+mode, ``max|fp8 - bf16| / max|bf16|`` per tensor (for gradients the worst tensor), and
+whether all of them are finite. DelayedScaling is primed by one call on the same inputs
+first: its first call casts with scale 1, by design.
+
+On CPU (no CUDA) fp8 gemms have no speed advantage (no fp8 matrix units): the suite checks
+correctness only, at small sizes, and its timing and memory columns say so. ``--quick`` uses tiny sizes everywhere (every gemm
+dimension a multiple of 16): a smoke test, not a measurement.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch._dynamo
+import torch.nn.functional as F
+from torch import nn
+
+import dispatch_amp
+from dispatch_amp import fp8
+
+from .common import REPO, Table, interleaved, ratio_stats, verdict
+
+NAME = "fp8"
+LINEAR_TARGET = 1.25  # eager fp8 current speedup over bf16
+TORCHAO_TARGET = 1.03  # ours compiled / torchao compiled, time
+GPT_TARGET = 1.15  # fp8 / bf16 tokens/s
+MEMORY_TARGET = 1.00  # fp8 / bf16 peak memory
+LINEAR_CONFIGS = ("bf16", "fp8 current", "fp8 delayed", "fp8 rowwise")
+GPT_CONFIGS = ("bf16", "fp8 current", "fp8 delayed")
+MODES = ("eager", "compiled")
+NOT_TIMED = "not timed on CPU (correctness only)"
+NOT_MEASURED = "not measured on CPU (correctness only)"
+
+
+# -- configurations -------------------------------------------------------------------------
+def _recipe(config: str, model: nn.Module):
+    """The fp8 recipe of ``config`` (None for bf16). Delayed scaling is bound to ``model``:
+    a compiled graph cannot create its per-site state."""
+    if config == "bf16":
+        return None
+    if config == "fp8 current":
+        return fp8.CurrentScaling()
+    if config == "fp8 delayed":
+        return fp8.DelayedScaling().bind(model)
+    if config == "fp8 rowwise":
+        return fp8.RowwiseScaling()
+    raise ValueError(f"unknown configuration {config!r}")
+
+
+def _region(device: torch.device, recipe):
+    return lambda: dispatch_amp.autocast(device.type, dtype=torch.bfloat16, fp8=recipe)
+
+
+def _sync(device: torch.device):
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+def _timed(fns: dict, device: torch.device, rounds: int, iters: int) -> dict:
+    """Seconds per call of each fn: ``iters`` calls per sample, the device synchronized
+    before and after each sample, configurations interleaved over ``rounds``. Every fn has
+    run before (the correctness pass compiled the compiled ones), so one warm-up sample."""
+    sync = _sync(device)
+
+    def sample(fn):
+        def run():
+            for _ in range(iters):
+                fn()
+            sync()
+        return run
+
+    s = interleaved({k: sample(fn) for k, fn in fns.items()}, rounds, warmup=1, setup=lambda _: sync())
+    return {k: [t / iters for t in v] for k, v in s.items()}
+
+
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """max|got - ref| / max|ref| (the absolute error where ref is all zeros); nan if got is not finite."""
+    ref = ref.detach().float()
+    diff = (got.detach().float() - ref).abs().max()
+    scale = ref.abs().max()
+    return float(diff / scale) if scale > 0 else float(diff)
+
+
+def _finite(tensors) -> str:
+    return "yes" if all(bool(torch.isfinite(t).all()) for t in tensors) else "NO"
+
+
+def _failure(e: Exception) -> str:
+    """A failed configuration's row says why (the other configurations still run)."""
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"failed: {type(e).__name__}: {first[:160]}"
+
+
+def _correctness(configs, run, collect, columns) -> tuple[dict, dict]:
+    """One forward + backward per (mode, configuration), bf16 first in each mode.
+
+    ``run(key)`` runs it (DelayedScaling after a priming call); ``collect(out)`` -> the
+    output and gradients it left, by name, the output first; ``columns(errs)`` -> the
+    row's error columns from the per-tensor relative errors against bf16. Returns
+    (columns per key, failure per key): a configuration that raises is reported in its row
+    and left out of the timings; the others still run.
+    """
+    errors, failed = {}, {}
+    for mode in MODES:
+        ref = None
+        for config in configs:
+            key = mode, config
+            try:
+                if config == "fp8 delayed":
+                    run(key)  # priming: the history's first amaxes
+                got = collect(run(key))
+            except Exception as e:  # noqa: BLE001
+                failed[key] = _failure(e)
+                continue
+            errors[key] = {"finite": _finite(got.values())}
+            if config == "bf16":
+                ref = {name: t.detach().clone() for name, t in got.items()}
+            elif ref is not None:
+                errors[key].update(columns({name: _rel_err(t, ref[name]) for name, t in got.items()}))
+    return errors, failed
+
+
+# -- 1. linear ----------------------------------------------------------------------------
+def _linear_dims(device: torch.device, quick: bool) -> tuple[int, int, int]:
+    if quick:
+        return 32, 64, 128
+    return (4096, 8192, 16384) if device.type == "cuda" else (256, 512, 1024)
+
+
+def _torchao_module(lin: nn.Linear):
+    """torchao's float8 training on a copy of ``lin``, or (None, why not)."""
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except ImportError:
+        return None, "torchao not installed"
+    return convert_to_float8_training(nn.Sequential(copy.deepcopy(lin))), None
+
+
+def _linear_tables(device: torch.device, quick: bool, backend: str, timed: bool) -> list[Table]:
+    m, k, n = _linear_dims(device, quick)
+    rounds, iters = (3, 2) if quick else (21, 10)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=gen).to(device, torch.bfloat16).requires_grad_()
+    dy = torch.randn(m, n, generator=gen).to(device, torch.bfloat16)
+    torch.manual_seed(0)
+    lin = nn.Linear(k, n).to(device)  # float32 weight (N, K) and bias
+
+    def make_step(fwd, region, params):
+        def step():
+            x.grad = None
+            for p in params:
+                p.grad = None
+            with region():
+                y = fwd(x)
+            y.backward(dy)
+            return y
+        return step
+
+    steps = {}
+    for mode in MODES:
+        for config in LINEAR_CONFIGS:
+            fwd = torch.compile(lin, backend=backend) if mode == "compiled" else lin
+            steps[mode, config] = make_step(fwd, _region(device, _recipe(config, lin)), list(lin.parameters()))
+
+    # Correctness, before timing (it also compiles the compiled configurations).
+    errors, failed = _correctness(
+        LINEAR_CONFIGS, lambda key: steps[key](),
+        lambda y: {"out": y, "dx": x.grad, "dw": lin.weight.grad, "db": lin.bias.grad},
+        lambda errs: {f"{name}_err": e for name, e in errs.items()})
+    for key in failed:
+        del steps[key]
+
+    torchao, torchao_status = _torchao_module(lin)
+    if torchao is not None and not timed:
+        torchao, torchao_status = None, NOT_TIMED
+    if torchao is not None:
+        torchao = torchao.to(device)
+        torchao_step = make_step(torch.compile(torchao, backend=backend),
+                                 lambda: torch.autocast(device.type, dtype=torch.bfloat16), list(torchao.parameters()))
+        try:  # an optional comparison: a torchao that fails here is reported, not fatal
+            torchao_step()
+            steps["torchao"] = torchao_step
+        except Exception as e:  # noqa: BLE001
+            torchao, torchao_status = None, "torchao " + _failure(e)
+
+    s = _timed(steps, device, rounds, iters) if timed else None
+    flops = 3 * 2 * m * k * n  # the forward gemm and the two backward gemms
+
+    title = (f"fp8: linear forward + backward, {m} x {k} x {n} (M x K x N), bf16 input, fp32 weight + bias; "
+             + (f"ms per fwd+bwd, median of {rounds} interleaved rounds x {iters} calls, torch.compile backend {backend}"
+                if timed else "CPU: correctness only, not timed"))
+    if quick:
+        title += " (quick sizes: a smoke test, not a measurement)"
+    table = Table(title, [
+        ("mode", "mode", "{}"), ("config", "config", "{}"), ("ms", "ms", "{:.3f}"), ("tflops", "TFLOP/s", "{:.1f}"),
+        ("ratio", "speedup vs bf16", "{:.3f}"), ("ratio_min", "min", "{:.3f}"), ("ratio_max", "max", "{:.3f}"),
+        ("target", "target", "{}"), ("met", "met?", "{}"),
+        ("out_err", "out err", "{:.2e}"), ("dx_err", "dx err", "{:.2e}"), ("dw_err", "dw err", "{:.2e}"),
+        ("db_err", "db err", "{:.2e}"), ("finite", "finite", "{}"),
+    ], note="speedup = median of per-round bf16 time / fp8 time, same mode. err = max|fp8 - bf16| / max|bf16| "
+            "per tensor, against bf16 in the same mode (delayed: after one priming call).")
+    for mode in MODES:
+        for config in LINEAR_CONFIGS:
+            row = {"mode": mode, "config": config, "rounds": rounds if timed else 0, **errors.get((mode, config), {})}
+            target = LINEAR_TARGET if (mode, config) == ("eager", "fp8 current") else None
+            if target is not None:
+                row["target"] = f">= {target:.2f}"
+            if (mode, config) in failed:
+                row["ms"] = failed[mode, config]
+            elif not timed:
+                row["ms"] = NOT_TIMED
+            else:
+                ms = statistics.median(s[mode, config]) * 1e3
+                row.update(ms=ms, tflops=flops / ms / 1e9)
+                if config != "bf16" and (mode, "bf16") in s:
+                    st = ratio_stats(s[mode, "bf16"], s[mode, config])
+                    row.update(st)
+                    if target is not None:
+                        row["met"] = verdict(st["ratio"], target, at_most=False)
+            table.rows.append(row)
+
+    vs = Table(
+        "fp8: ours vs torchao float8 training, linear forward + backward, compiled, tensorwise dynamic scaling "
+        f"(ours: fp8 current), {m} x {k} x {n}" + (" (quick sizes: a smoke test, not a measurement)" if quick else ""),
+        [("torchao_ms", "torchao ms", "{:.3f}"), ("ours_ms", "ours ms", "{:.3f}"), ("ratio", "ours/torchao", "{:.3f}"),
+         ("ratio_min", "min", "{:.3f}"), ("ratio_max", "max", "{:.3f}"), ("target", "target", "{}"),
+         ("met", "met?", "{}"), ("status", "status", "{}")],
+        note="torchao under torch.autocast bfloat16 with its default Float8LinearConfig (whose forward gemm "
+             "uses fast accumulation); interleaved with the table above.",
+    )
+    row = {"target": f"<= {TORCHAO_TARGET:.2f}"}
+    if torchao is None:
+        row["status"] = torchao_status
+    elif ("compiled", "fp8 current") not in s:
+        row["status"] = "ours " + failed["compiled", "fp8 current"]
+    else:
+        st = ratio_stats(s["compiled", "fp8 current"], s["torchao"])
+        row.update(torchao_ms=statistics.median(s["torchao"]) * 1e3,
+                   ours_ms=statistics.median(s["compiled", "fp8 current"]) * 1e3, **st,
+                   met=verdict(st["ratio"], TORCHAO_TARGET), status="measured")
+    vs.rows.append(row)
+    return [table, vs]
+
+
+# -- 2. GPT -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GPTSize:
+    vocab: int
+    d_model: int
+    layers: int
+    heads: int
+    seq: int
+    batch: int
+
+    def describe(self) -> str:
+        return (f"vocab {self.vocab}, d_model {self.d_model}, {self.layers} layers, {self.heads} heads, "
+                f"{self.batch} x {self.seq} tokens")
+
+
+def _gpt_size(device: torch.device, quick: bool) -> GPTSize:
+    if quick:
+        return GPTSize(vocab=256, d_model=64, layers=2, heads=4, seq=32, batch=2)
+    if device.type == "cuda":  # ~0.94B parameters; with AdamW about half of an 80 GB GPU
+        return GPTSize(vocab=32000, d_model=2048, layers=16, heads=16, seq=2048, batch=8)
+    return GPTSize(vocab=2048, d_model=256, layers=2, heads=4, seq=128, batch=4)
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block: LayerNorm, causal attention (one qkv Linear, an output
+    projection), LayerNorm, GELU MLP; residual connections around both."""
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        qkv = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (b, heads, t, head_dim)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class Decoder(nn.Module):
+    """A plain GPT: token and position embeddings, pre-norm blocks, final LayerNorm, an
+    untied output head."""
+
+    def __init__(self, size: GPTSize):
+        super().__init__()
+        self.tok = nn.Embedding(size.vocab, size.d_model)
+        self.pos = nn.Embedding(size.seq, size.d_model)
+        self.blocks = nn.ModuleList(Block(size.d_model, size.heads) for _ in range(size.layers))
+        self.ln_f = nn.LayerNorm(size.d_model)
+        self.head = nn.Linear(size.d_model, size.vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self(idx)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def parameter_count(size: GPTSize) -> int:
+    with torch.device("meta"):  # counted without allocating a billion parameters
+        return sum(p.numel() for p in Decoder(size).parameters())
+
+
+def _count(n: int) -> str:
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.3g}{unit}"
+    return str(n)
+
+
+def _gpt_case(size: GPTSize, device: torch.device):
+    torch.manual_seed(0)
+    with torch.device(device):  # initialized where it runs: a billion parameters on the host are slow
+        model = Decoder(size).train()
+    idx = torch.randint(0, size.vocab, (size.batch, size.seq + 1), generator=torch.Generator().manual_seed(1))
+    return model, (idx[:, :-1].contiguous().to(device), idx[:, 1:].contiguous().to(device))
+
+
+def _optimizer(model: nn.Module, device: torch.device):
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+
+
+def _train_step(model, opt, loss_fn, region, batch):
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with region():
+            loss = loss_fn(*batch)
+        loss.backward()
+        opt.step()
+    return step
+
+
+def _gpt_table(device: torch.device, quick: bool, backend: str, timed: bool) -> Table:
+    size = _gpt_size(device, quick)
+    rounds, iters = (3, 1) if quick else (11, 2)
+    model, batch = _gpt_case(size, device)
+    opt = _optimizer(model, device)
+
+    loss_fns, regions, steps = {}, {}, {}
+    for mode in MODES:
+        loss_fn = torch.compile(model.loss, backend=backend) if mode == "compiled" else model.loss
+        for config in GPT_CONFIGS:
+            regions[mode, config] = _region(device, _recipe(config, model))
+            loss_fns[mode, config] = loss_fn
+            steps[mode, config] = _train_step(model, opt, loss_fn, regions[mode, config], batch)
+
+    def loss_and_grads(key):
+        opt.zero_grad(set_to_none=True)
+        with regions[key]():
+            loss = loss_fns[key](*batch)
+        loss.backward()
+        return loss.detach()
+
+    # Correctness, before any optimizer step, so every configuration starts from the same
+    # weights (it also compiles the compiled configurations).
+    errors, failed = _correctness(
+        GPT_CONFIGS, loss_and_grads,
+        lambda loss: {"loss": loss, **{name: p.grad for name, p in model.named_parameters()}},
+        lambda errs: {"loss_err": errs.pop("loss"), "grad_err": max(errs.values())})
+    for key in failed:
+        del steps[key]
+    opt.zero_grad(set_to_none=True)
+
+    s = _timed(steps, device, rounds, iters) if timed else None
+    tokens = size.batch * size.seq
+    n_params = parameter_count(size)
+    title = (f"fp8: GPT training step, {_count(n_params)} parameters ({n_params:,}), {size.describe()}, AdamW; "
+             + (f"median of {rounds} interleaved rounds x {iters} steps, torch.compile backend {backend}"
+                if timed else "CPU: correctness only, not timed"))
+    if quick:
+        title += " (quick sizes: a smoke test, not a measurement)"
+    table = Table(title, [
+        ("mode", "mode", "{}"), ("config", "config", "{}"), ("ms", "ms/step", "{:.1f}"),
+        ("tokens_s", "tokens/s", "{:.0f}"), ("ratio", "fp8/bf16 tokens/s", "{:.3f}"),
+        ("ratio_min", "min", "{:.3f}"), ("ratio_max", "max", "{:.3f}"), ("target", "target", "{}"),
+        ("met", "met?", "{}"), ("loss_err", "loss err", "{:.2e}"), ("grad_err", "grad err", "{:.2e}"),
+        ("finite", "finite", "{}"),
+    ], note="fp8/bf16 tokens/s = median of per-round bf16 time / fp8 time, same mode. loss err = "
+            "|fp8 - bf16| / |bf16|; grad err = the worst parameter's max|fp8 - bf16| / max|bf16|; one "
+            "forward + backward from the same weights (delayed: after one priming call).")
+    for mode in MODES:
+        for config in GPT_CONFIGS:
+            row = {"mode": mode, "config": config, "rounds": rounds if timed else 0, **errors.get((mode, config), {})}
+            if config != "bf16":
+                row["target"] = f">= {GPT_TARGET:.2f}"
+            if (mode, config) in failed:
+                row["ms"] = failed[mode, config]
+            elif not timed:
+                row["ms"] = NOT_TIMED
+            else:
+                sec = statistics.median(s[mode, config])
+                row.update(ms=sec * 1e3, tokens_s=tokens / sec)
+                if config != "bf16" and (mode, "bf16") in s:
+                    st = ratio_stats(s[mode, "bf16"], s[mode, config])
+                    row.update(st, met=verdict(st["ratio"], GPT_TARGET, at_most=False))
+            table.rows.append(row)
+    return table
+
+
+def _memory_table(device: torch.device, quick: bool) -> Table:
+    size = _gpt_size(device, quick)
+    title = f"fp8: GPT peak memory, eager training step, {size.describe()}, AdamW; " + (
+        "one process per configuration, torch.cuda.max_memory_allocated over 2 steps after a warm-up step"
+        if device.type == "cuda" else "CPU: correctness only, not measured")
+    if quick:
+        title += " (quick sizes: a smoke test, not a measurement)"
+    table = Table(title, [
+        ("config", "config", "{}"), ("peak_gb", "peak GB", "{:.2f}"), ("ratio", "fp8/bf16 peak", "{:.3f}"),
+        ("target", "target", "{}"), ("met", "met?", "{}"),
+    ], note="peak includes weights, gradients and AdamW states (GB = 2**30 bytes).")
+    peaks = {c: _child_peak(c, quick) for c in GPT_CONFIGS} if device.type == "cuda" else None
+    for config in GPT_CONFIGS:
+        row = {"config": config}
+        if config != "bf16":
+            row["target"] = f"<= {MEMORY_TARGET:.2f}"
+        if peaks is None:
+            row["peak_gb"] = NOT_MEASURED
+        elif isinstance(peaks[config], str):
+            row["peak_gb"] = peaks[config]
+        else:
+            row["peak_gb"] = peaks[config] / 2**30
+            if config != "bf16" and not isinstance(peaks["bf16"], str):
+                row["ratio"] = peaks[config] / peaks["bf16"]
+                row["met"] = verdict(row["ratio"], MEMORY_TARGET)
+        table.rows.append(row)
+    return table
+
+
+def _child_peak(config: str, quick: bool) -> int | str:
+    """Peak bytes of ``config`` in its own process, or why that process failed."""
+    cmd = [sys.executable, "-m", "benchmarks.run", "--child", NAME, "gpt-memory", config] + (["--quick"] if quick else [])
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    if res.returncode != 0:
+        last = (res.stderr.strip().splitlines() or [f"exit status {res.returncode}"])[-1]
+        return f"failed: {last[:200]}"
+    return json.loads(res.stdout.strip().splitlines()[-1])["peak_bytes"]
+
+
+def child(args: list[str], quick: bool) -> None:
+    """``run.py --child fp8 gpt-memory CONFIG``: print the peak CUDA memory of two eager
+    GPT training steps (after a warm-up step) as JSON."""
+    what, config = args
+    if what != "gpt-memory":
+        raise ValueError(f"unknown child task {what!r}")
+    device = torch.device("cuda")
+    size = _gpt_size(device, quick)
+    model, batch = _gpt_case(size, device)
+    step = _train_step(model, _optimizer(model, device), model.loss, _region(device, _recipe(config, model)), batch)
+    step()  # AdamW states, allocator warm-up
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    print(json.dumps({"peak_bytes": torch.cuda.max_memory_allocated()}))
+
+
+def run(opts) -> list[Table]:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    backend = "aot_eager" if opts.quick else "inductor"
+    timed = device.type == "cuda"  # on CPU fp8 has nothing to gain: correctness only
+    # First, while this process holds no GPU memory: the children then have the whole GPU.
+    memory = _memory_table(device, opts.quick)
+    torch._dynamo.reset()
+    tables = _linear_tables(device, opts.quick, backend, timed)
+    torch._dynamo.reset()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    tables.append(_gpt_table(device, opts.quick, backend, timed))
+    torch._dynamo.reset()
+    return tables + [memory]
