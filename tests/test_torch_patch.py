@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import textwrap
+import threading
 import warnings
 
 import pytest
@@ -22,6 +24,15 @@ _NAMES = [
     (torch.cuda.amp, "autocast"),
     (torch.cuda.amp, "GradScaler"),
 ]
+
+
+# What a patch says when it stops and nothing ran in mixed precision through it. Tests
+# whose patch only checks names and objects, and runs nothing, expect it.
+NOTHING_RAN = "nothing ran in mixed precision"
+
+
+def _nothing_ran():
+    return pytest.warns(amp.AmpNumericsWarning, match=NOTHING_RAN)
 
 
 def _snapshot() -> dict[str, object]:
@@ -52,7 +63,7 @@ def test_importing_dispatch_amp_patches_nothing():
 
 def test_start_and_stop_restore_every_attribute_exactly():
     before = _snapshot()
-    with patch_torch() as patch:
+    with _nothing_ran(), patch_torch() as patch:
         assert patch.active
         during = _snapshot()
         assert all(during[k] is not before[k] for k in before), "every present name is replaced"
@@ -63,7 +74,8 @@ def test_start_and_stop_restore_every_attribute_exactly():
     patch = patch_torch()
     patch.start()
     assert torch.amp.autocast is torch.autocast and torch.autocast is not before["torch.autocast"]
-    patch.stop()
+    with _nothing_ran():
+        patch.stop()
     _assert_untouched(before)
 
 
@@ -77,7 +89,7 @@ def test_an_exception_in_the_block_still_restores():
 
 def test_a_second_patch_is_refused_and_the_first_stays():
     before = _snapshot()
-    with patch_torch():
+    with _nothing_ran(), patch_torch():
         patched = _snapshot()
         with pytest.raises(RuntimeError, match="already patched by another dispatch_amp.patch_torch"):
             patch_torch().start()
@@ -94,7 +106,8 @@ def test_misuse_of_one_patch_names_the_state():
         with pytest.raises(RuntimeError, match="already started"):
             patch.start()
     finally:
-        patch.stop()
+        with _nothing_ran():
+            patch.stop()
     with pytest.raises(TypeError, match="policy must be a dispatch_amp.Policy"):
         patch_torch(policy="cpu")
 
@@ -167,7 +180,7 @@ def test_patched_autocast_decorates_a_generator_function_as_torch_does():
 
 
 def test_patched_scalers_take_torch_arguments():
-    with patch_torch():
+    with _nothing_ran(), patch_torch():  # scalers made, none scales
         scaler = torch.amp.GradScaler("cpu", 2.0**10, 2.0, 0.5, 100, True)
         assert isinstance(scaler, amp.GradScaler) and scaler.get_scale() == 2.0**10
         assert torch.cpu.amp.GradScaler(init_scale=8.0).get_scale() == 8.0
@@ -259,7 +272,8 @@ def test_two_threads_starting_patches_at_once_leave_torch_as_it_was(monkeypatch)
     for t in threads:
         t.join()
     for patch in started:
-        patch.stop()
+        with _nothing_ran():
+            patch.stop()
     assert len(started) == 1 and len(refused) == 1 and "already patched" in refused[0]
     assert (torch.autocast, torch.amp.autocast, torch.amp.GradScaler) == originals
 
@@ -268,7 +282,7 @@ def test_torchs_own_objects_pass_isinstance_against_the_patched_names():
     torch_scaler = torch.amp.GradScaler("cpu")
     torch_region = torch.autocast("cpu")
     torch_cpu_region = torch.cpu.amp.autocast()
-    with patch_torch():
+    with _nothing_ran(), patch_torch():  # regions made, none entered
         assert isinstance(torch_scaler, torch.amp.GradScaler)
         assert isinstance(torch_region, torch.autocast) and isinstance(torch_region, torch.amp.autocast)
         assert isinstance(torch_cpu_region, torch.cpu.amp.autocast)
@@ -285,7 +299,7 @@ def test_torchs_own_objects_pass_isinstance_against_the_patched_names():
 def test_a_scaler_made_under_the_patch_pickles_and_saves_whole(tmp_path):
     import pickle
 
-    with patch_torch():
+    with _nothing_ran(), patch_torch():
         scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
         cpu_scaler = torch.cpu.amp.GradScaler(init_scale=4.0)
         again = pickle.loads(pickle.dumps(scaler))
@@ -294,3 +308,115 @@ def test_a_scaler_made_under_the_patch_pickles_and_saves_whole(tmp_path):
     loaded = torch.load(tmp_path / "whole.pt", weights_only=False)
     assert loaded["scaler"].get_scale() == 8.0 and loaded["cpu"].get_scale() == 4.0
     assert loaded["scaler"].state_dict() == scaler.state_dict()
+
+
+# -- a patch that reached nothing says so ----------------------------------------------
+
+
+def _script(region, scaler_enabled=False, dtype=torch.bfloat16):
+    """Training code that picks its own context, as scripts do that open torch.autocast
+    only on a GPU: ``region`` is what it opens around the forward. Its scaler is made
+    through torch's name, enabled only for float16."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", enabled=scaler_enabled)
+    for _ in range(2):
+        with region():
+            loss = model(torch.randn(4, 8)).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return loss
+
+
+@contextlib.contextmanager
+def _silent():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", amp.AmpNumericsWarning)
+        yield
+
+
+def test_a_patch_through_which_nothing_ran_warns_where_it_stops():
+    # nullcontext() around the forward and a scaler that is disabled (steps as plain
+    # backward and step): the patch reaches nothing, and the user should hear it.
+    with _nothing_ran() as caught:
+        with patch_torch():
+            loss = _script(contextlib.nullcontext)
+    assert loss.dtype is torch.float32
+    message = str(caught[0].message)
+    assert "nullcontext()" in message and "dispatch_amp.autocast(...)" in message
+    assert caught[0].filename == __file__, "points at the with-statement, not into dispatch_amp"
+
+    patch = patch_torch().start()
+    _script(contextlib.nullcontext)
+    with _nothing_ran() as caught:
+        patch.stop()
+    assert caught[0].filename == __file__, "points at the stop() call"
+
+
+@pytest.mark.parametrize("how", ["with-block", "disabled-region", "decorator", "cpu.amp", "other-thread"])
+def test_a_region_entered_through_the_patched_names_keeps_it_silent(how):
+    def decorated_region():
+        @torch.autocast("cpu")
+        def forward():
+            return torch.mm(torch.ones(2, 2), torch.ones(2, 2))
+        return forward
+
+    with _silent(), patch_torch() as patch:
+        if how == "with-block":
+            _script(lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+        elif how == "disabled-region":  # the code chose autocast, switched off
+            _script(lambda: torch.amp.autocast("cpu", enabled=False))
+        elif how == "decorator":
+            assert decorated_region()().dtype is torch.bfloat16
+        elif how == "cpu.amp":
+            _script(torch.cpu.amp.autocast)
+        else:
+            losses = []
+            worker = threading.Thread(target=lambda: losses.append(_script(lambda: torch.autocast("cpu"))))
+            worker.start()
+            worker.join()
+            assert len(losses) == 1, "the thread's script ran to the end"
+    assert not patch.active
+
+
+def test_a_decorated_function_counts_when_called_not_when_decorated():
+    with _nothing_ran(), patch_torch():
+        @torch.autocast("cpu")
+        def forward():
+            return torch.mm(torch.ones(2, 2), torch.ones(2, 2))
+
+
+def test_a_patched_scaler_that_steps_keeps_it_silent():
+    # No region at all (the model could be cast by hand): an enabled scaler made through
+    # torch's name under the patch is mixed-precision training that the patch reached.
+    with _silent(), patch_torch():
+        _script(contextlib.nullcontext, scaler_enabled=True)
+
+
+def test_an_exception_leaving_the_block_is_not_covered_by_the_warning():
+    with _silent(), pytest.raises(KeyError, match="boom"):
+        with patch_torch():
+            _script(contextlib.nullcontext)
+            raise KeyError("boom")
+
+
+def test_each_start_counts_afresh():
+    patch = patch_torch()
+    with _silent(), patch:
+        _script(lambda: torch.autocast("cpu"))
+    with _nothing_ran(), patch:
+        _script(contextlib.nullcontext)
+
+
+def test_a_patched_scalers_own_warnings_still_point_at_the_callers_line():
+    # Counting its use must add no frame between the caller and the scaler's methods.
+    with patch_torch():
+        scaler = torch.amp.GradScaler("cpu")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = torch.nn.Linear(2, 1)(torch.ones(1, 2)).float().sum()
+        with pytest.warns(amp.AmpNumericsWarning, match="does not need loss scaling") as caught:
+            scaler.scale(loss)
+    assert caught[0].filename == __file__

@@ -577,6 +577,46 @@ class GradScaler:
             self._warn_floor()
         return float(self._state.scale.item())
 
+    def metrics(self) -> dict[str, float | int]:
+        """The scaler's numbers for a training log, read with one host sync.
+
+        ``loss_scale`` (what the next step's loss is multiplied by), ``skipped_steps`` and
+        ``steps`` (``update()`` calls) so far, ``last_step_skipped`` (0 or 1) and
+        ``overflow_params``: how many gradients held inf/nan on that step (0 when it was
+        not skipped, or when only fused optimizers ran, which skip on the device without
+        the host looking). A disabled scaler reports a scale of 1.0 and no steps. Call it
+        only when a log is written: the integrations' metric callbacks do.
+
+        Example::
+
+            >>> model = torch.nn.Linear(2, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> scaler = GradScaler("cpu", init_scale=8.0)
+            >>> scaler.scale(model(torch.tensor([[1.0, float("inf")]])).sum()).backward()
+            >>> _ = scaler.step(opt); scaler.update()
+            >>> scaler.metrics()
+            {'loss_scale': 4.0, 'skipped_steps': 1, 'steps': 1, 'last_step_skipped': 1, 'overflow_params': 1}
+        """
+        history = self._diagnostics.history if self._enabled else None
+        steps = history.steps if history is not None else 0
+        if not self._enabled or self._state is None:
+            scale = self._init_scale if self._enabled else 1.0
+            skipped = self._init_skipped_steps if self._enabled else 0
+            return {"loss_scale": float(scale), "skipped_steps": int(skipped), "steps": steps,
+                    "last_step_skipped": 0, "overflow_params": 0}
+        state = self._state
+        device = state.scale.device
+        parts = [state.scale.reshape(1).double(), state.skipped_steps.reshape(1).double()]
+        flag = history.last_flag()
+        parts.append(flag.double().to(device) if flag is not None else torch.zeros(1, dtype=torch.float64, device=device))
+        last = self._diagnostics.last
+        counts = last.counts() if last is not None and last.step == steps - 1 else []
+        parts += [c.double().to(device) for c in counts]
+        values = torch.cat(parts).tolist()  # the one sync
+        skipped_now = bool(counts) or (values[2] != 0.0)  # nan != 0: skipped
+        overflowing = sum(1 for k in range(len(counts)) if values[3 + 2 * k] or values[4 + 2 * k])
+        return {"loss_scale": values[0], "skipped_steps": int(values[1]), "steps": steps,
+                "last_step_skipped": int(skipped_now), "overflow_params": overflowing}
+
     def get_growth_factor(self) -> float:
         """The growth factor. Example: ``GradScaler("cpu").get_growth_factor() == 2.0``."""
         return self._config.growth_factor

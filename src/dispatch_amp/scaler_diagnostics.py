@@ -205,6 +205,10 @@ class PendingOverflow:
         self._rows.append((weakref.ref(param), fallback_name, tuple(grad.shape), grad.dtype))
         self._counts.append(counts.to(self._scale.device, non_blocking=True))
 
+    def counts(self) -> list[torch.Tensor]:
+        """Per candidate gradient, its ``[n_inf, n_nan]`` on the device (no sync)."""
+        return list(self._counts)
+
     def report(self, names: ParameterNames) -> OverflowReport:
         """The report, read from the device on first use (one sync) and kept."""
         if self._report is None:
@@ -273,6 +277,13 @@ class ScaleHistory:
         order = torch.arange(first, self.steps) % self.capacity
         rows = self._buffer[order.to(self._buffer.device)].tolist()
         return [(first + k, scale, flag != 0.0) for k, (scale, flag) in enumerate(rows)]  # nan != 0: skipped
+
+    def last_flag(self) -> torch.Tensor | None:
+        """The newest step's raw skip flag (a 1-element device tensor, nonzero or nan:
+        skipped), or None when nothing is kept. No sync."""
+        if not self.steps or not self.capacity or self._buffer is None:
+            return None
+        return self._buffer[(self.steps - 1) % self.capacity, 1:]
 
     def to_host(self) -> ScaleHistory:
         """A copy whose buffer lives on the CPU (for pickling)."""

@@ -23,6 +23,14 @@ torch's own ``torch.amp.autocast_mode.autocast`` (which ``torch.amp.custom_fwd``
 C++ code. Bind late (``torch.autocast(...)`` at the call) or start the patch before
 importing the code you want to reach.
 
+A patch that reached nothing says so: when it stops (not by an exception leaving its
+``with`` block) and, while it was active, no region was entered through the patched
+autocast names (as a context manager or a decorator, enabled or not) and no enabled
+GradScaler made through the patched names ran ``scale()`` or ``step()``, it warns
+(``AmpNumericsWarning``): nothing ran in mixed precision. Code that picks its own context
+(``contextlib.nullcontext()`` on CPU, say) or bound ``torch.autocast`` earlier is the
+usual cause.
+
 Example::
 
     >>> import torch
@@ -39,6 +47,7 @@ import functools
 import inspect
 import threading
 import warnings
+import weakref
 
 import torch
 import torch.amp.autocast_mode
@@ -57,6 +66,38 @@ _MARK = "_dispatch_amp_patch"
 
 # Held while a patch checks and swaps torch's attributes (start and stop).
 _SWAP_LOCK = threading.Lock()
+
+
+class _Uses:
+    """What ran through one started patch's names, so that a patch that reached nothing
+    can say so when it stops: how many regions were entered, and the scalers made.
+
+    ``regions`` has no lock: it only ever grows, so whether it is nonzero, all that is
+    read, does not depend on a lost increment between threads. A plain attribute write
+    also keeps a region's ``__enter__`` traceable by Dynamo (a side effect it replays),
+    where a lock would break the graph.
+    """
+
+    __slots__ = ("regions", "scalers")
+
+    def __init__(self) -> None:
+        self.regions = 0
+        self.scalers: weakref.WeakSet = weakref.WeakSet()
+
+    def reached_anything(self) -> bool:
+        # A scaler's scale tensor exists from its first scale() on. A disabled scaler's
+        # scale() and step() are the plain backward and optimizer step: code that builds
+        # one unconditionally (GradScaler(enabled=dtype == float16)) and runs in bfloat16
+        # or float32 has not chosen mixed precision by stepping it.
+        return bool(self.regions) or any(
+            s.is_enabled() and s.scale_tensor() is not None for s in list(self.scalers)
+        )
+
+
+# The uses of the patch now active, None while none is. The scaler classes are shared by
+# every patch (pickle needs them at module level), so a new scaler registers here; each
+# patch's autocast class holds its own patch's uses.
+_ACTIVE_USES: _Uses | None = None
 
 # torch.autocast for these device types becomes ours; for the others it stays torch's.
 _OUR_DEVICES = BUILTIN_DEVICES
@@ -91,6 +132,16 @@ class GradScaler(_OurGradScaler, metaclass=_TorchsObjectsPass):
     __doc__ = _OurGradScaler.__doc__
     _replaces = torch.amp.grad_scaler.GradScaler
 
+    # Registered in __new__, not by wrapping scale()/step() or __init__: a wrapper frame
+    # would move the location the scaler's own warnings point at (their stacklevel counts
+    # from the user's call) into this module.
+    def __new__(cls, *args, **kwargs):
+        scaler = super().__new__(cls)
+        uses = _ACTIVE_USES
+        if uses is not None:
+            uses.scalers.add(scaler)
+        return scaler
+
 
 setattr(GradScaler, _MARK, True)
 
@@ -116,8 +167,10 @@ cuda_GradScaler = _device_scaler_class("cuda")
 _DEVICE_SCALERS = {"cpu": cpu_GradScaler, "cuda": cuda_GradScaler}
 
 
-def _autocast_class(policy: Policy | None, fp8: Recipe | None = None) -> type:
-    """``dispatch_amp.autocast`` that takes exactly what ``torch.autocast`` takes."""
+def _autocast_class(policy: Policy | None, fp8: Recipe | None = None, uses: _Uses | None = None) -> type:
+    """``dispatch_amp.autocast`` that takes exactly what ``torch.autocast`` takes; every
+    region entered through it counts in ``uses``."""
+    uses = _Uses() if uses is None else uses
 
     class autocast_with_torch_signature(autocast, metaclass=_TorchsObjectsPass):
         __doc__ = autocast.__doc__
@@ -125,7 +178,9 @@ def _autocast_class(policy: Policy | None, fp8: Recipe | None = None) -> type:
 
         def __new__(cls, device_type, dtype=None, enabled=True, cache_enabled=None):
             if isinstance(device_type, str) and device_type not in _OUR_DEVICES:
-                # Returning torch's object skips our __init__: its device is not ours.
+                # Returning torch's object skips our __init__: its device is not ours. Its
+                # entry cannot be seen, so making it counts: the code chose autocast.
+                uses.regions += 1
                 return torch.amp.autocast_mode.autocast(device_type, dtype, enabled, cache_enabled)
             return super().__new__(cls)
 
@@ -150,6 +205,10 @@ def _autocast_class(policy: Policy | None, fp8: Recipe | None = None) -> type:
                 fp8,
             )
 
+        def __enter__(self):
+            uses.regions += 1
+            return super().__enter__()
+
         def __call__(self, func):
             if inspect.isgeneratorfunction(func) or inspect.iscoroutinefunction(func):
                 # torch.autocast decorates these as any function: its region covers the
@@ -162,7 +221,16 @@ def _autocast_class(policy: Policy | None, fp8: Recipe | None = None) -> type:
                         return func(*args, **kwargs)
 
                 return decorated
-            return super().__call__(func)
+            # The base decorator opens a plain dispatch_amp.autocast per call, which does
+            # not pass through __enter__ above: count the call here.
+            in_region = super().__call__(func)
+
+            @functools.wraps(func)
+            def counted(*args, **kwargs):
+                uses.regions += 1
+                return in_region(*args, **kwargs)
+
+            return counted
 
     setattr(autocast_with_torch_signature, _MARK, True)
     # The engine reads it: torch's checkpoint reopens torch.amp.autocast, this class, for
@@ -188,9 +256,11 @@ def _device_autocast_class(base: type, device_type: str, default_dtype: torch.dt
     return device_autocast
 
 
-def _replacements(policy: Policy | None, fp8: Recipe | None = None) -> list[tuple[object, str, object]]:
+def _replacements(
+    policy: Policy | None, fp8: Recipe | None = None, uses: _Uses | None = None
+) -> list[tuple[object, str, object]]:
     """(module, attribute, replacement) for every attribute a patch touches, in order."""
-    ours = _autocast_class(policy, fp8)
+    ours = _autocast_class(policy, fp8, uses)
     table: list[tuple[object, str, object]] = [
         (torch, "autocast", ours),
         (torch.amp, "autocast", ours),
@@ -212,15 +282,18 @@ class TorchPatch:
     """One reversible patch of torch's AMP names; made by :func:`patch_torch`.
 
     ``start()`` replaces the names, ``stop()`` restores the exact objects that were there;
-    also a context manager. One patch can be active at a time.
+    also a context manager. One patch can be active at a time. Stopping a patch through
+    which nothing ran in mixed precision warns (see :meth:`stop`).
 
     Example::
 
         >>> patch = patch_torch()
         >>> patch.start().active
         True
-        >>> patch.stop(); patch.active
-        False
+        >>> with torch.autocast("cpu"):
+        ...     y = torch.nn.Linear(4, 4)(torch.randn(2, 4))
+        >>> patch.stop(); patch.active, y.dtype
+        (False, torch.bfloat16)
     """
 
     def __init__(self, policy: Policy | None = None, fp8: Recipe | None = None) -> None:
@@ -231,6 +304,7 @@ class TorchPatch:
         self.policy = policy
         self.fp8 = fp8
         self._saved: list[tuple[object, str, object]] | None = None
+        self._uses = _Uses()
 
     @property
     def active(self) -> bool:
@@ -248,11 +322,13 @@ class TorchPatch:
 
         Example::
 
-            >>> with patch_torch() as patch:
+            >>> with patch_torch() as patch, torch.autocast("cpu"):
             ...     torch.amp.GradScaler.__module__
             'dispatch_amp.torch_patch'
         """
-        table = _replacements(self.policy, self.fp8)
+        global _ACTIVE_USES
+        uses = _Uses()  # each start counts afresh
+        table = _replacements(self.policy, self.fp8, uses)
         # One lock for every patch: the check and the writes of one start() or stop() must
         # not interleave with another thread's, or a patch saves another's replacements
         # as torch's originals and torch stays patched after both stop.
@@ -270,17 +346,32 @@ class TorchPatch:
             for module, name, replacement in table:
                 setattr(module, name, replacement)
             self._saved = saved
+            self._uses = uses
+            _ACTIVE_USES = uses
         return self
 
     def stop(self) -> None:
         """Put back every attribute exactly as it was before ``start()``.
 
+        Warns (``AmpNumericsWarning``) when nothing ran in mixed precision through the
+        patch: no region entered through the patched autocast names, and no enabled
+        scaler made through the patched names ran ``scale()`` or ``step()``.
+
         Example::
 
-            >>> patch = patch_torch().start(); patch.stop()
+            >>> patch = patch_torch().start()
+            >>> with torch.autocast("cpu", enabled=False):   # entered: the code chose autocast
+            ...     pass
+            >>> patch.stop()
             >>> torch.autocast is torch.amp.autocast_mode.autocast
             True
         """
+        self._stop(propagating=False)
+
+    def _stop(self, propagating: bool) -> None:
+        """``stop()``'s work; ``propagating``: an exception is leaving the with-block.
+        Called from ``stop()`` or ``__exit__`` only: the warnings' stacklevel 3 is their caller."""
+        global _ACTIVE_USES
         with _SWAP_LOCK:
             if self._saved is None:
                 raise RuntimeError("stop() was called on a patch that is not started; call start() first")
@@ -288,6 +379,22 @@ class TorchPatch:
             for module, name, original in reversed(self._saved):
                 setattr(module, name, original)
             self._saved = None
+            if _ACTIVE_USES is self._uses:
+                _ACTIVE_USES = None
+        uses = self._uses
+        # With an exception on its way out the user has a bigger problem than this one,
+        # and the run may have ended before its first forward.
+        if not propagating and not uses.reached_anything():
+            warnings.warn(
+                "patch_torch() stopped without any torch.autocast region entered or any enabled "
+                "torch.amp.GradScaler stepped under it: nothing ran in mixed precision. The code "
+                "may choose its own context (contextlib.nullcontext() on CPU, say) or have bound "
+                "torch.autocast before the patch started; open dispatch_amp.autocast(...) around "
+                "the forward, make the code take its torch.autocast branch, or start the patch "
+                "before importing that code.",
+                AmpNumericsWarning,
+                stacklevel=3,
+            )
         if getattr(installed, "_checkpointed_under_policy", False):
             warnings.warn(
                 f"torch.utils.checkpoint ran under this patch with "
@@ -296,14 +403,14 @@ class TorchPatch:
                 f"stop() would recompute under native torch.autocast, with other casts than "
                 f"the forward's. Run backward inside the patch, or use dispatch_amp.checkpoint.",
                 AmpNumericsWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
 
     def __enter__(self) -> TorchPatch:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._stop(propagating=exc_type is not None)
 
     def __repr__(self) -> str:
         fp8 = "" if self.fp8 is None else f", fp8={self.fp8!r}"
@@ -326,11 +433,16 @@ def patch_torch(policy: Policy | None = None, fp8: Recipe | None = None) -> Torc
     checkpoint then recomputes in fp8 too.
     The module docstring lists exactly which attributes change and what cannot be reached.
 
+    Stopping a patch through which nothing ran in mixed precision warns (``TorchPatch.stop``).
+
     Example::
 
         >>> import torch
         >>> with patch_torch():
         ...     scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+        ...     with torch.autocast("cpu", dtype=torch.float16):
+        ...         loss = torch.nn.Linear(4, 1)(torch.randn(2, 4)).float().sum()
+        ...     scaler.scale(loss).backward()
         >>> type(scaler).__mro__[1].__module__, scaler.get_scale()
         ('dispatch_amp.grad_scaler', 8.0)
     """

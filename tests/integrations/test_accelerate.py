@@ -185,3 +185,46 @@ def test_install_amp_takes_an_fp8_recipe():
     assert [r.calls for r in recipe.report()] == [1]
     with pytest.raises(TypeError, match="fp8 must be a dispatch_amp.fp8 recipe"):
         install_amp(Accelerator(cpu=True), dtype=torch.bfloat16, fp8="e4m3")
+
+
+def test_log_amp_metrics_reaches_the_accelerators_trackers():
+    from accelerate.tracking import GeneralTracker
+
+    from dispatch_amp.integrations.accelerate import log_amp_metrics
+
+    class Recorder(GeneralTracker):  # stands for TensorBoard & co.
+        name, requires_logging_directory = "recorder", False
+
+        def __init__(self):
+            super().__init__()
+            self.rows = []
+
+        @property
+        def tracker(self):
+            return self
+
+        def store_init_configuration(self, values):
+            pass
+
+        def log(self, values, step=None, **kwargs):
+            self.rows.append((step, dict(values)))
+
+    recorder = Recorder()
+    accelerator = Accelerator(cpu=True, log_with=recorder)
+    accelerator.init_trackers("amp")
+    install_amp(accelerator, dtype="fp16", scaler_options={"init_scale": 2.0**8, "growth_interval": 2})
+    model, optimizer = _prepare(accelerator)
+    for step in range(4):
+        x = torch.randn(4, 8)
+        if step == 2:
+            x[0, 0] = float("inf")
+        with accelerator.autocast():
+            loss = model(x).float().pow(2).mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        log_amp_metrics(accelerator, step=step)
+    assert [step for step, _ in recorder.rows] == [0, 1, 2, 3]
+    assert [row["amp/skipped_steps"] for _, row in recorder.rows] == [0, 0, 1, 1]
+    assert [row["amp/loss_scale"] for _, row in recorder.rows] == [256.0, 512.0, 256.0, 256.0]
+    assert ["amp/overflow_params" in row for _, row in recorder.rows] == [False, False, True, False]

@@ -40,7 +40,7 @@ class Tiny(pl.LightningModule):
         self.grads.append([p.grad.detach().clone() for p in self.parameters()])
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
-        scaler = self.trainer.precision_plugin.scaler
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
         self.scales.append(scaler.get_scale() if scaler is not None else None)
 
     def configure_optimizers(self):
@@ -184,3 +184,60 @@ def test_the_plugin_takes_an_fp8_recipe():
     assert isinstance(recipe, fp8.DelayedScaling) and "fp8=DelayedScaling(" in repr(trainer.precision_plugin)
     assert model.out_dtypes == [torch.bfloat16] * 3
     assert sorted(r.calls for r in recipe.report()) == [3, 3]  # both linears, every step, in fp8
+
+
+# -- our Trainer(precision=...) and AmpMetrics ---------------------------------------------
+def _fit_with(trainer_cls, steps, inf_step=INF_STEP, **kwargs):
+    model = Tiny(inf_step)
+    trainer = trainer_cls(
+        accelerator="cpu", devices=1, max_steps=steps, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kwargs,
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(does not have many workers|bfloat16|GPU available).*")
+        trainer.fit(model)
+    return model, trainer
+
+
+def test_our_trainer_takes_precision_as_written_bit_identically(same):
+    from dispatch_amp.integrations.lightning import Trainer
+
+    stock, _ = _fit_with(pl.Trainer, 4, precision="bf16-mixed", logger=False)
+    ours, trainer = _fit_with(Trainer, 4, precision="bf16-mixed", logger=False)
+    assert isinstance(trainer.precision_plugin, MixedPrecision)
+    assert same(ours.losses, stock.losses) and same(ours.grads, stock.grads)
+    assert same(list(ours.parameters()), list(stock.parameters()))
+    # 16-mixed: stock Lightning has no float16 on CPU; ours equals our plugin given explicitly.
+    explicit, _ = _fit(_ours_fp16(), 5)
+    written, trainer = _fit_with(Trainer, 5, precision="16-mixed", logger=False,
+                                 amp_scaler_options={"init_scale": 2.0**8, "growth_interval": 2})
+    assert isinstance(trainer.precision_plugin.scaler, amp.GradScaler)
+    assert same(written.losses, explicit.losses) and written.scales == explicit.scales
+    # Other precisions stay Lightning's; the amp_* keywords need a mixed precision.
+    _, trainer = _fit_with(Trainer, 1, precision="32-true", logger=False)
+    assert not isinstance(trainer.precision_plugin, MixedPrecision)
+    with pytest.raises(ValueError, match="apply to precision='16-mixed' or 'bf16-mixed'"):
+        Trainer(accelerator="cpu", precision="32-true", amp_fp8=amp.fp8.CurrentScaling())
+    for strategy in ("fsdp", "deepspeed_stage_2"):
+        with pytest.raises(ValueError, match="runs only Lightning's own precision plugin"):
+            Trainer(accelerator="cpu", precision="bf16-mixed", strategy=strategy)
+
+
+def test_amp_metrics_reach_the_logger_and_show_the_skipped_step(tmp_path):
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from dispatch_amp.integrations.lightning import Trainer
+
+    logger = CSVLogger(str(tmp_path), name="run")
+    model, trainer = _fit_with(Trainer, 5, precision="16-mixed", logger=logger, log_every_n_steps=1,
+                               amp_scaler_options={"init_scale": 2.0**8, "growth_interval": 2})
+    logger.save()
+    with open(f"{logger.log_dir}/metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("amp/loss_scale")]
+    assert [float(r["amp/loss_scale"]) for r in rows] == model.scales
+    assert [float(r["amp/skipped_steps"]) for r in rows] == [0, 0, 1, 1, 1]
+    overflow = [r["amp/overflow_params"] for r in rows]
+    assert overflow[INF_STEP] not in ("", None) and float(overflow[INF_STEP]) >= 1
+    assert all(v in ("", None) for k, v in enumerate(overflow) if k != INF_STEP)

@@ -1,5 +1,6 @@
 """transformers.Trainer: ours trains bit-identically to the Trainer's own AMP, and its
-checkpoints (scaler.pt) resume in either direction with the scale kept."""
+checkpoints resume in either direction: with the scale kept where both have a GradScaler
+(scaler.pt), and in the stock Trainer also from CPU float16, where only ours has one."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ pytest.importorskip("accelerate")
 
 import dispatch_amp as amp  # noqa: E402
 from accelerate.state import AcceleratorState  # noqa: E402
-from dispatch_amp.integrations.transformers import AmpTrainerMixin, Trainer  # noqa: E402
+from dispatch_amp.integrations.transformers import AMP_SCALER_NAME, AmpTrainerMixin, Trainer  # noqa: E402
 
 INIT = {"init_scale": 2.0**8, "growth_interval": 2}
 INF_STEP = 4
@@ -25,17 +26,20 @@ def fresh_accelerator_state():
 
 
 class Recording:
-    """Records per optimizer step the loss, the clipped gradients and the loss scale, and
-    turns the loss at INF_STEP into inf so that step overflows."""
+    """Records the parameters training starts from, and per optimizer step the loss, the
+    clipped gradients, the loss scale and the parameters; turns the loss at ``inf_step``
+    into inf so that step overflows."""
+
+    inf_step = INF_STEP
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.losses, self.grads, self.scales = [], [], []
+        self.losses, self.grads, self.scales, self.params = [], [], [], []
         self.add_callback(_Recorder(self))
 
     def compute_loss(self, *args, **kwargs):
         loss = super().compute_loss(*args, **kwargs)
-        if self.state.global_step == INF_STEP:
+        if self.state.global_step == self.inf_step:
             loss = loss * float("inf")
         self.losses.append(loss.detach().clone())
         return loss
@@ -45,15 +49,19 @@ class _Recorder(transformers.TrainerCallback):
     def __init__(self, trainer):
         self.trainer = trainer
 
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.trainer.start_params = [p.detach().clone() for p in model.parameters()]
+
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         self.trainer.grads.append([p.grad.detach().clone() for p in model.parameters()])
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args, state, control, model=None, **kwargs):
         scaler = self.trainer.accelerator.scaler
         self.trainer.scales.append(scaler.get_scale() if scaler is not None else None)
+        self.trainer.params.append([p.detach().clone() for p in model.parameters()])
 
 
-class NativeTrainer(Recording, transformers.Trainer):
+class _GpuLikeScaler:
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
         if self.args.fp16:
@@ -63,8 +71,20 @@ class NativeTrainer(Recording, transformers.Trainer):
             self.accelerator.scaler = torch.amp.GradScaler("cpu", **INIT)
 
 
+class NativeTrainer(Recording, _GpuLikeScaler, transformers.Trainer):
+    """The stock Trainer as it runs fp16 on a GPU."""
+
+
+class StockTrainer(Recording, transformers.Trainer):
+    """The stock Trainer as it runs on CPU: fp16=True gives no scaler and float32."""
+
+
 class OurTrainer(Recording, Trainer):
     pass
+
+
+class OurGpuLikeTrainer(Recording, AmpTrainerMixin, _GpuLikeScaler, transformers.Trainer):
+    """Ours on an Accelerator that, as on a GPU, came with a stock scaler for fp16."""
 
 
 def _model():
@@ -82,15 +102,16 @@ def _dataset():
     return [{"input_ids": row, "labels": row} for row in ids]
 
 
-def _run(cls, tmp_path, precision, steps=6, resume=None, name="run"):
+def _run(cls, tmp_path, precision, steps=6, resume=None, name="run", inf_step=INF_STEP):
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / name), use_cpu=True, max_steps=steps,
         per_device_train_batch_size=2, learning_rate=1e-3, seed=0, report_to=[],
         save_strategy="steps", save_steps=3, logging_strategy="no", disable_tqdm=True,
         **{precision: True},
     )
-    extra = {"amp_scaler_options": INIT} if cls is OurTrainer and precision == "fp16" else {}
+    extra = {"amp_scaler_options": INIT} if issubclass(cls, AmpTrainerMixin) and precision == "fp16" else {}
     trainer = cls(model=_model(), args=args, train_dataset=_dataset(), **extra)
+    trainer.inf_step = inf_step
     # What the autocast made of one matmul inside the model, per forward.
     trainer.inner_dtypes = set()
     trainer.model.transformer.h[0].mlp.c_fc.register_forward_hook(
@@ -120,14 +141,67 @@ def test_fp16_and_resume_are_bit_identical_in_both_directions(tmp_path, same):
     assert same(ours.losses, native.losses) and same(ours.grads, native.grads)
     assert same(list(ours.model.parameters()), list(native.model.parameters()))
 
-    # Each run saved checkpoint-3 on the way; resume ours from both.
-    for source in ("ours", "native"):
+    # Each run saved checkpoint-3 on the way; resume ours from both. On CPU ours keeps its
+    # scale out of scaler.pt, where the stock Trainer has no scaler to load it into.
+    for source, scaler_file in (("ours", AMP_SCALER_NAME), ("native", "scaler.pt")):
         checkpoint = tmp_path / source / "checkpoint-3"
-        assert torch.load(checkpoint / "scaler.pt", weights_only=True)["scale"] == ours.scales[2] != INIT["init_scale"]
+        assert torch.load(checkpoint / scaler_file, weights_only=True)["scale"] == ours.scales[2] != INIT["init_scale"]
         tail = _run(OurTrainer, tmp_path, "fp16", resume=str(checkpoint), name=f"from-{source}")
         assert len(tail.losses) == 3 and tail.scales == ours.scales[3:]
         assert same(tail.losses, ours.losses[3:]) and same(tail.grads, ours.grads[3:])
         assert same(list(tail.model.parameters()), list(ours.model.parameters()))
+
+
+def test_on_cpu_ours_keeps_the_fp16_scale_out_of_scaler_pt_and_resumes_it(tmp_path, same):
+    ours = _run(OurTrainer, tmp_path, "fp16", name="ours")
+    checkpoint = tmp_path / "ours" / "checkpoint-3"
+    assert not (checkpoint / "scaler.pt").exists()
+    state = torch.load(checkpoint / AMP_SCALER_NAME, weights_only=True)
+    assert state["scale"] == ours.scales[2] != INIT["init_scale"]
+
+    tail = _run(OurTrainer, tmp_path, "fp16", resume=str(checkpoint), name="tail")
+    assert tail.scales == ours.scales[3:] and tail.accelerator.scaler.skipped_steps == 1
+    assert tail.inner_dtypes == {torch.float16}
+    assert same(tail.losses, ours.losses[3:]) and same(tail.grads, ours.grads[3:])
+    assert same(list(tail.model.parameters()), list(ours.model.parameters()))
+
+    # Resumed without loss scaling, the float16 scale has no use and is left out.
+    AcceleratorState._reset_state(True)
+    plain = _run(OurTrainer, tmp_path, "bf16", resume=str(checkpoint), name="bf16", inf_step=None)
+    assert plain.accelerator.scaler is None and plain.state.global_step == 6
+    assert same(plain.start_params, ours.params[2])
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_a_cpu_fp16_checkpoint_of_ours_resumes_in_the_stock_trainer(tmp_path, same, precision):
+    ours = _run(OurTrainer, tmp_path, "fp16", name="ours")
+    AcceleratorState._reset_state(True)
+    stock = _run(StockTrainer, tmp_path, precision, resume=str(tmp_path / "ours" / "checkpoint-3"),
+                 name="stock", inf_step=None)
+    assert stock.accelerator.scaler is None, "the stock Trainer has no scaler on CPU"
+    # fp16=True leaves the stock Trainer in float32 on CPU; bf16=True autocasts.
+    expected = torch.float32 if precision == "fp16" else torch.bfloat16
+    assert stock.inner_dtypes == {expected} and stock.scales == [None] * 3
+    assert stock.state.global_step == 6 and all(torch.isfinite(loss) for loss in stock.losses)
+    # Model and optimizer continue from the checkpoint: the weights ours had after step 3,
+    # and Adam's step count going on from 3.
+    assert same(stock.start_params, ours.params[2])
+    assert {int(s["step"]) for s in stock.optimizer.state.values()} == {6}
+
+
+def test_where_the_stock_trainer_has_a_scaler_ours_writes_scaler_pt_for_it(tmp_path, same):
+    ours = _run(OurGpuLikeTrainer, tmp_path, "fp16", name="ours")
+    assert isinstance(ours.accelerator.scaler, amp.GradScaler)
+    checkpoint = tmp_path / "ours" / "checkpoint-3"
+    assert not (checkpoint / AMP_SCALER_NAME).exists()
+    assert torch.load(checkpoint / "scaler.pt", weights_only=True)["scale"] == ours.scales[2] != INIT["init_scale"]
+
+    AcceleratorState._reset_state(True)
+    native = _run(NativeTrainer, tmp_path, "fp16", resume=str(checkpoint), name="native")
+    assert isinstance(native.accelerator.scaler, torch.amp.GradScaler)
+    assert native.scales == ours.scales[3:] and native.inner_dtypes == {torch.float16}
+    assert same(native.losses, ours.losses[3:]) and same(native.grads, ours.grads[3:])
+    assert same(list(native.model.parameters()), list(ours.model.parameters()))
 
 
 def test_the_mixin_takes_a_policy_and_checks_its_arguments(tmp_path):
@@ -162,3 +236,50 @@ def test_the_mixin_takes_an_fp8_recipe(tmp_path):
     args = transformers.TrainingArguments(str(tmp_path), use_cpu=True, report_to=[])
     with pytest.raises(ValueError, match="amp_fp8 were given"):
         MyTrainer(model=_model(), args=args, amp_fp8=recipe)
+
+
+def test_amp_metrics_reach_the_trainers_logs_and_show_the_skipped_step(tmp_path):
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "logs"), use_cpu=True, max_steps=6, per_device_train_batch_size=2,
+        learning_rate=1e-3, seed=0, report_to=[], save_strategy="no", logging_strategy="steps",
+        logging_steps=1, disable_tqdm=True, fp16=True,
+    )
+    AcceleratorState._reset_state(True)
+    trainer = OurTrainer(model=_model(), args=args, train_dataset=_dataset(), amp_scaler_options=INIT)
+    trainer.inf_step = INF_STEP
+    seen = []
+
+    class Reporter(transformers.TrainerCallback):  # stands for TensorBoard & co.
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            seen.append(dict(logs))
+
+    trainer.add_callback(Reporter())
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "amp/loss_scale" in h]
+    assert len(logged) == 6 and [h["amp/loss_scale"] for h in logged] == trainer.scales
+    assert [h["amp/skipped_steps"] for h in logged] == [0] * INF_STEP + [1] * (6 - INF_STEP)
+    # The key marks the skipped step; its count is 0 here: the Trainer's fused AdamW skips on
+    # the device, where the host never looks at each gradient.
+    assert ["amp/overflow_params" in h for h in logged] == [k == INF_STEP for k in range(6)]
+    assert [s["amp/skipped_steps"] for s in seen if "amp/skipped_steps" in s] == [h["amp/skipped_steps"] for h in logged]
+
+
+def test_the_callback_adds_the_metrics_for_a_stock_trainer(tmp_path):
+    from dispatch_amp.integrations.accelerate import install_amp
+    from dispatch_amp.integrations.transformers import AmpMetricsCallback
+
+    args = transformers.TrainingArguments(str(tmp_path), use_cpu=True, max_steps=2, per_device_train_batch_size=2,
+                                          report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True)
+    AcceleratorState._reset_state(True)
+    trainer = transformers.Trainer(model=_model(), args=args, train_dataset=_dataset())
+    install_amp(trainer.accelerator, dtype="fp16")
+    seen = []
+
+    class Reporter(transformers.TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            seen.append(dict(logs))
+
+    trainer.add_callback(Reporter())
+    trainer.callback_handler.callbacks.insert(0, AmpMetricsCallback(trainer.accelerator))
+    trainer.train()
+    assert [s["amp/loss_scale"] for s in seen if "loss" in s] == [65536.0, 65536.0]

@@ -8,6 +8,8 @@ Each submodule imports its framework when it is imported itself, never before: i
 * ``dispatch_amp.integrations.accelerate``: ``install_amp(accelerator, ...)``.
 * ``dispatch_amp.integrations.transformers``: ``AmpTrainerMixin`` and ``Trainer``.
 * ``dispatch_amp.integrations.timm_scaler``: ``NativeScaler``, timm's loss-scaler shape.
+* ``dispatch_amp.integrations.metrics``: ``amp_metrics(scaler)``, the numbers every
+  integration logs (``amp/loss_scale``, ``amp/skipped_steps``, ``amp/overflow_params``).
 
 Example::
 

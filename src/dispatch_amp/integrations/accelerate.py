@@ -41,8 +41,9 @@ from ..autocast import autocast
 from ..grad_scaler import GradScaler
 from ..fp8.recipes import Recipe
 from ..policy import BUILTIN_DEVICES, Policy
+from .metrics import amp_metrics
 
-__all__ = ["install_amp", "AmpHooks"]
+__all__ = ["install_amp", "AmpHooks", "log_amp_metrics"]
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _OWN_PRECISION = (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA)
@@ -262,3 +263,20 @@ def install_amp(
     accelerator.unscale_gradients = hooks.unscale_gradients
     accelerator.dispatch_amp = hooks
     return hooks
+
+
+def log_amp_metrics(accelerator: Accelerator, step: int | None = None) -> dict[str, float]:
+    """Logs the Accelerator's loss-scaler numbers through ``accelerator.log`` (its trackers:
+    TensorBoard, W&B, ...) and returns them. Call it where you log your loss.
+
+    Example::
+
+        >>> from accelerate import Accelerator
+        >>> accelerator = Accelerator(cpu=True); _ = install_amp(accelerator, dtype="fp16")
+        >>> log_amp_metrics(accelerator, step=0)
+        {'amp/loss_scale': 65536.0, 'amp/skipped_steps': 0}
+    """
+    metrics = amp_metrics(getattr(accelerator, "scaler", None))
+    if metrics:
+        accelerator.log(metrics, step=step)
+    return metrics

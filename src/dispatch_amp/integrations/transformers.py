@@ -20,21 +20,38 @@ or, for a Trainer subclass of your own, ``class MyTrainer(AmpTrainerMixin, MyBas
 Unlike the stock Trainer, ``fp16=True`` on CPU then trains in float16 with a GradScaler
 (the stock one silently stays in float32 there).
 
+Checkpoints keep the scaler's state where the stock Trainer would keep its own: in
+``scaler.pt`` whenever the stock Trainer would have a GradScaler too (float16 on a GPU), so
+checkpoints resume in either direction with the scale kept. Only where the stock Trainer
+has none, i.e. ``fp16=True`` on CPU, does the state go to ``AMP_SCALER_NAME``
+(``dispatch_amp_scaler.pt``) instead: the stock Trainer loads ``scaler.pt`` into whatever
+scaler its Accelerator has, so it would fail on that file, while it ignores this one and
+resumes model, optimizer, scheduler and RNG state without the scale (in float32, as it
+trains with ``fp16=True`` on CPU). Ours reads either file.
+
 Importing this module imports ``transformers`` and ``accelerate``.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 import transformers
+from transformers.trainer import SCALER_NAME
+from transformers.utils import check_torch_load_is_safe
 
 from ..fp8.recipes import Recipe
 from ..policy import Policy
 from .accelerate import install_amp
+from .metrics import amp_metrics
 
-__all__ = ["AmpTrainerMixin", "Trainer"]
+__all__ = ["AmpTrainerMixin", "Trainer", "AmpMetricsCallback"]
+
+# Not scaler.pt, which the stock Trainer would load into the scaler it lacks on CPU.
+AMP_SCALER_NAME = "dispatch_amp_scaler.pt"
 
 
 class AmpTrainerMixin:
@@ -85,6 +102,10 @@ class AmpTrainerMixin:
             1024.0
         """
         super().create_accelerator_and_postprocess()
+        # Read before install_amp replaces it: whether the stock Trainer would have a scaler
+        # here decides whether it can load a scaler.pt from our checkpoints.
+        stock_has_scaler = getattr(self.accelerator, "scaler", None) is not None
+        self._amp_scaler_file = SCALER_NAME if stock_has_scaler else AMP_SCALER_NAME
         if self.args.mixed_precision in ("fp16", "bf16"):
             install_amp(
                 self.accelerator,
@@ -100,6 +121,48 @@ class AmpTrainerMixin:
                 "fp16=True in TrainingArguments"
             )
 
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """``Trainer.log``, with the loss scaler's ``amp/`` numbers added to training logs.
+
+        They reach ``state.log_history`` and every reporting callback (TensorBoard, W&B,
+        ...) with the loss, one host sync per log.
+
+        Example::
+
+            >>> from transformers import TrainingArguments
+            >>> args = TrainingArguments("out", use_cpu=True, fp16=True, report_to=[], save_strategy="no")
+            >>> trainer = Trainer(model=torch.nn.Linear(2, 2), args=args)
+            >>> trainer.log({"loss": 1.0}); trainer.state.log_history[-1]["amp/loss_scale"]
+            65536.0
+        """
+        if "loss" in logs:
+            logs.update(amp_metrics(getattr(self.accelerator, "scaler", None)))
+        super().log(logs, *args, **kwargs)
+
+    def _save_scaler(self, output_dir: str) -> None:
+        # The stock Trainer loads scaler.pt into its Accelerator's scaler unconditionally, and
+        # on CPU that scaler is None: a scaler.pt there would make the checkpoint unusable to it.
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is None or self._amp_scaler_file == SCALER_NAME:
+            super()._save_scaler(output_dir)
+        elif self.args.should_save:
+            torch.save(scaler.state_dict(), os.path.join(output_dir, AMP_SCALER_NAME))
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        path = os.path.join(checkpoint, AMP_SCALER_NAME) if checkpoint is not None else None
+        if path is None or not os.path.isfile(path):
+            # scaler.pt: written by the stock Trainer, by ours wherever the stock one has a
+            # scaler, and by earlier versions of ours also on CPU.
+            super()._load_scaler(checkpoint)
+            return
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is None:
+            # Resumed in bfloat16 or float32: no loss scaling, so the float16 scale has no use,
+            # as for the stock Trainer, which ignores this file.
+            return
+        check_torch_load_is_safe()
+        scaler.load_state_dict(torch.load(path, weights_only=True))
+
 
 class Trainer(AmpTrainerMixin, transformers.Trainer):
     """``transformers.Trainer`` with dispatch_amp's autocast and GradScaler (see :class:`AmpTrainerMixin`).
@@ -111,3 +174,26 @@ class Trainer(AmpTrainerMixin, transformers.Trainer):
         >>> Trainer(model=torch.nn.Linear(2, 2), args=args).accelerator.scaler is None
         True
     """
+
+
+class AmpMetricsCallback(transformers.TrainerCallback):
+    """For a Trainer that is not ours (``install_amp`` on its Accelerator): adds the loss
+    scaler's ``amp/`` numbers to training logs in ``on_log``. Put it first, so that the
+    reporting callbacks see them: ``trainer.callback_handler.callbacks.insert(0,
+    AmpMetricsCallback(trainer.accelerator))``. Our :class:`Trainer` needs none.
+
+    Example::
+
+        >>> from accelerate import Accelerator
+        >>> accelerator = Accelerator(cpu=True); _ = install_amp(accelerator, dtype="fp16")
+        >>> logs = {"loss": 1.0}
+        >>> AmpMetricsCallback(accelerator).on_log(None, None, None, logs=logs); logs["amp/loss_scale"]
+        65536.0
+    """
+
+    def __init__(self, accelerator) -> None:
+        self.accelerator = accelerator
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is not None and "loss" in logs:
+            logs.update(amp_metrics(getattr(self.accelerator, "scaler", None)))
