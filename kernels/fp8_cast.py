@@ -81,7 +81,6 @@ of an fp32), the same as in the unscale kernel.
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -92,6 +91,7 @@ except ImportError:  # pragma: no cover - exercised only on machines without tri
     triton = None
     tl = None
 
+from ._launch import interpreting, persistent_programs, use_triton
 from .unscale import BACKENDS
 
 __all__ = ["amax_and_cast", "cast_transpose", "amax_and_cast_reference", "cast_transpose_reference", "fp8_max"]
@@ -116,12 +116,6 @@ _TRANSPOSE_WARPS = 8
 # and two programs fill an SM's 64K registers.
 _CAST_PROGRAMS_PER_SM = 3
 _TRANSPOSE_PROGRAMS_PER_SM = 2
-# The interpreter runs programs one after another, so more programs only cost time.
-_INTERPRETED_PROGRAMS = 4
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 # --------------------------------------------------------------------------------------
@@ -302,13 +296,6 @@ if triton is not None:
         tl.atomic_add(saturated_ptr, tl.sum(count.to(tl.int64), axis=0))
 
 
-def _num_programs(tiles: int, device: torch.device, per_sm: int) -> int:
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return max(1, min(tiles, sms * per_sm))
-    return max(1, min(tiles, _INTERPRETED_PROGRAMS))
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -329,7 +316,7 @@ def _launch_amax_and_cast(t, scale, fp8_dtype, num_programs=None, block=None):
     numel = t.numel()
     if numel:
         tiles = _cdiv(numel, block)
-        programs = max(1, min(num_programs or _num_programs(tiles, t.device, _CAST_PROGRAMS_PER_SM), tiles))
+        programs = max(1, min(num_programs or persistent_programs(tiles, t.device, _CAST_PROGRAMS_PER_SM), tiles))
         limit, mant, bias = _FORMATS[fp8_dtype]
         _amax_and_cast_kernel[(programs,)](
             _kernel_input(t),
@@ -357,7 +344,7 @@ def _launch_cast_transpose(t, scale, fp8_dtype, num_programs=None, tile=None):
     amax_bits, saturated = _accumulators(t.device)
     if M and N:
         tiles = _cdiv(M, tile_m) * _cdiv(N, tile_n)
-        programs = max(1, min(num_programs or _num_programs(tiles, t.device, _TRANSPOSE_PROGRAMS_PER_SM), tiles))
+        programs = max(1, min(num_programs or persistent_programs(tiles, t.device, _TRANSPOSE_PROGRAMS_PER_SM), tiles))
         limit, mant, bias = _FORMATS[fp8_dtype]
         _cast_transpose_kernel[(programs,)](
             _kernel_input(t),
@@ -477,23 +464,6 @@ def _validate(t, scale, fp8_dtype, name: str, backend: str = "torch", two_d: boo
         raise ValueError(f"{name}: scale is on {scale.device} but t is on {t.device}; move scale to t's device.")
 
 
-def _use_triton(backend: str, device: torch.device, name: str) -> bool:
-    if backend == "torch":
-        return False
-    if backend == "auto":
-        return triton is not None and device.type == "cuda"
-    if triton is None:
-        raise RuntimeError(f"{name}: backend='triton' needs the triton package; install it or use backend='torch'.")
-    if device.type == "cpu" and not _interpreting():
-        raise RuntimeError(
-            f"{name}: backend='triton' on CPU tensors runs only under Triton's interpreter; set "
-            "TRITON_INTERPRET=1 before dispatch_amp.kernels is imported, or use backend='torch'."
-        )
-    if device.type not in ("cpu", "cuda"):
-        raise RuntimeError(f"{name}: backend='triton' does not support {device.type} tensors; use backend='torch'.")
-    return True
-
-
 def amax_and_cast(
     t: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, *, backend: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -547,7 +517,7 @@ def cast_transpose(
 # size, so tests cover many tiles and programs on small tensors.
 def _amax_and_cast(t, scale, fp8_dtype, backend="auto", *, num_programs=None, block=None):
     _validate(t, scale, fp8_dtype, "amax_and_cast", backend)
-    if _use_triton(backend, t.device, "amax_and_cast"):
+    if use_triton(backend, t.device, "amax_and_cast"):
         with torch.no_grad():
             return _launch_amax_and_cast(t, scale, fp8_dtype, num_programs, block)
     return _reference(t, scale, fp8_dtype)
@@ -555,7 +525,7 @@ def _amax_and_cast(t, scale, fp8_dtype, backend="auto", *, num_programs=None, bl
 
 def _cast_transpose(t, scale, fp8_dtype, backend="auto", *, num_programs=None, tile=None):
     _validate(t, scale, fp8_dtype, "cast_transpose", backend, two_d=True)
-    if _use_triton(backend, t.device, "cast_transpose"):
+    if use_triton(backend, t.device, "cast_transpose"):
         with torch.no_grad():
             return _launch_cast_transpose(t, scale, fp8_dtype, num_programs, tile)
     q, amax, saturated = _reference(t, scale, fp8_dtype)

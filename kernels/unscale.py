@@ -53,11 +53,12 @@ one code path that is bit-exact against torch both interpreted and compiled.
 from __future__ import annotations
 
 import math
-import os
 from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
+
+from ._launch import interpreting, persistent_programs, use_triton
 
 try:  # Triton is optional: the torch paths below work without it.
     import triton
@@ -79,13 +80,7 @@ _NUM_WARPS = 8
 # per thread at 8 warps (benchmarks kernels suite, sm_80), so two programs fill an SM's
 # 64K registers; more would only queue behind them as a second, partial wave.
 _PROGRAMS_PER_SM = 2
-# The interpreter runs programs one after another, so more programs only cost time.
-_INTERPRETED_PROGRAMS = 4
 _TABLE_CACHE_SIZE = 16
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 # --------------------------------------------------------------------------------------
@@ -318,10 +313,7 @@ def clear_table_cache() -> None:
 
 
 def _num_programs(total_tiles: int, device: torch.device) -> int:
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return max(1, min(total_tiles, sms * _PROGRAMS_PER_SM))
-    return max(1, min(total_tiles, _INTERPRETED_PROGRAMS))
+    return persistent_programs(total_tiles, device, _PROGRAMS_PER_SM)
 
 
 def _is_dense(t: torch.Tensor) -> bool:
@@ -529,24 +521,6 @@ def _validate_nonfinite(nonfinite, n: int, device: torch.device, name: str) -> N
         raise ValueError(f"{name}: nonfinite must be contiguous (its stride is {nonfinite.stride()}); {fix}.")
 
 
-def _use_triton(backend: str, device: torch.device, name: str) -> bool:
-    if backend == "torch":
-        return False
-    if backend == "auto":
-        return triton is not None and device.type == "cuda"
-    # backend == "triton"
-    if triton is None:
-        raise RuntimeError(f"{name}: backend='triton' needs the triton package; install it or use backend='torch'.")
-    if device.type == "cpu" and not _interpreting():
-        raise RuntimeError(
-            f"{name}: backend='triton' on CPU tensors runs only under Triton's interpreter; set "
-            "TRITON_INTERPRET=1 before dispatch_amp.kernels is imported, or use backend='torch'."
-        )
-    if device.type not in ("cpu", "cuda"):
-        raise RuntimeError(f"{name}: backend='triton' does not support {device.type} tensors; use backend='torch'.")
-    return True
-
-
 def uses_triton(device: torch.device | str, backend: str = "auto") -> bool:
     """True when :func:`unscale_check_` and :func:`check_finite_` launch the Triton kernel for
     gradients on ``device`` with ``backend``.
@@ -564,7 +538,7 @@ def uses_triton(device: torch.device | str, backend: str = "auto") -> bool:
     """
     if backend not in BACKENDS:
         raise ValueError(f"uses_triton: backend must be one of {BACKENDS}, got {backend!r}.")
-    return _use_triton(backend, torch.device(device), "uses_triton")
+    return use_triton(backend, torch.device(device), "uses_triton")
 
 
 def _dispatch(grads, inv_scale, found_inf, nonfinite, backend, store, name, num_programs, validated=False) -> None:
@@ -574,7 +548,7 @@ def _dispatch(grads, inv_scale, found_inf, nonfinite, backend, store, name, num_
     if store and inv_scale is None:
         raise TypeError(f"{name}: inv_scale is required.")
     with torch.no_grad():
-        if _use_triton(backend, found_inf.device, name):
+        if use_triton(backend, found_inf.device, name):
             # Slots: positions in the caller's list, where each gradient's flag goes.
             fast, rest = [], []
             for k, g in enumerate(grads):

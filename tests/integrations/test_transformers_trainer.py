@@ -238,6 +238,16 @@ def test_the_mixin_takes_an_fp8_recipe(tmp_path):
         MyTrainer(model=_model(), args=args, amp_fp8=recipe)
 
 
+class _LogReporter(transformers.TrainerCallback):
+    """Stands for TensorBoard & co.: what the reporting callbacks receive."""
+
+    def __init__(self, seen):
+        self.seen = seen
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.seen.append(dict(logs))
+
+
 def test_amp_metrics_reach_the_trainers_logs_and_show_the_skipped_step(tmp_path):
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "logs"), use_cpu=True, max_steps=6, per_device_train_batch_size=2,
@@ -248,12 +258,7 @@ def test_amp_metrics_reach_the_trainers_logs_and_show_the_skipped_step(tmp_path)
     trainer = OurTrainer(model=_model(), args=args, train_dataset=_dataset(), amp_scaler_options=INIT)
     trainer.inf_step = INF_STEP
     seen = []
-
-    class Reporter(transformers.TrainerCallback):  # stands for TensorBoard & co.
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            seen.append(dict(logs))
-
-    trainer.add_callback(Reporter())
+    trainer.add_callback(_LogReporter(seen))
     trainer.train()
     logged = [h for h in trainer.state.log_history if "amp/loss_scale" in h]
     assert len(logged) == 6 and [h["amp/loss_scale"] for h in logged] == trainer.scales
@@ -274,12 +279,7 @@ def test_the_callback_adds_the_metrics_for_a_stock_trainer(tmp_path):
     trainer = transformers.Trainer(model=_model(), args=args, train_dataset=_dataset())
     install_amp(trainer.accelerator, dtype="fp16")
     seen = []
-
-    class Reporter(transformers.TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            seen.append(dict(logs))
-
-    trainer.add_callback(Reporter())
+    trainer.add_callback(_LogReporter(seen))
     trainer.callback_handler.callbacks.insert(0, AmpMetricsCallback(trainer.accelerator))
     trainer.train()
     assert [s["amp/loss_scale"] for s in seen if "loss" in s] == [65536.0, 65536.0]
