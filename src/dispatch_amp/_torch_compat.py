@@ -51,6 +51,11 @@ NEWEST_TESTED_TORCH = "2.15"
 
 _missing: list[str] = []
 
+# torch._scaled_mm on CPU takes one scale per row only from torch 2.12 on (2.11 asserts
+# "only supports per-tensor scaling for CPU backend").
+_release = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+SCALED_MM_ROWWISE_ON_CPU = _release >= (2, 12)
+
 
 def _lookup(owner, dotted: str, name: str):
     try:

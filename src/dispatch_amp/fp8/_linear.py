@@ -39,6 +39,9 @@ def _mm(a: torch.Tensor, b_rows: torch.Tensor, a_inv, b_inv, out_dtype) -> torch
     cuBLAS takes the first operand row-major and the second column-major, and so do
     torch.compile's lowerings: ``b_rows.T`` of a contiguous ``b_rows`` is exactly that.
     """
+    if a_inv.numel() > 1 and a.device.type == "cpu" and not _torch_compat.SCALED_MM_ROWWISE_ON_CPU:
+        # The gemm's own rule, written out: dequantize, multiply in float32, cast.
+        return ((a.float() * a_inv) @ (b_rows.float() * b_inv.t()).t()).to(out_dtype)
     return _scaled_mm(a.contiguous(), b_rows.contiguous().t(), scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype)
 
 
