@@ -52,7 +52,8 @@ def custom_fwd(fwd=None, *, device_type: str, cast_inputs: torch.dtype | None = 
     """Decorates the ``forward`` of a custom autograd Function for ``dispatch_amp.autocast``.
 
     Args:
-        device_type: ``"cuda"`` or ``"cpu"``, the autocast region this forward follows.
+        device_type: ``"cuda"``, ``"cpu"``, ``"xpu"`` or ``"mps"``, the autocast region
+            this forward follows.
         cast_inputs: if set and ``forward`` runs inside an enabled region, its floating
             inputs on ``device_type`` (not float64) are cast to this dtype and ``forward``
             runs with autocast off. If None, the ops inside ``forward`` follow the current
