@@ -593,10 +593,11 @@ def _fp8_call(st: ThreadState, ctx: DeviceContext, func, args, kwargs):
         return _call_aside(st, func, args, kwargs, LOWER, ctx)
     # A forward call made while a backward runs is activation checkpointing recomputing
     # the forward; one made under a checkpoint will be recomputed. Recipes with state
-    # replay the first's scales for the second (DelayedScaling).
+    # replay the first's scales for the second (DelayedScaling); only they need to know
+    # the second, which costs a walk up the stack.
     if _graph_task_id() != -1:
         phase = "recompute"
-    elif st.own_checkpoint or _inside_torch_checkpoint():
+    elif recipe.stateful and (st.own_checkpoint or _inside_torch_checkpoint()):
         phase = "checkpointed"
     else:
         phase = "forward"

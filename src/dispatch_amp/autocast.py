@@ -24,6 +24,7 @@ import warnings
 import torch
 
 from . import _engine, _torch_compat
+from .fp8._rules import ALL_FP8_DTYPES as _FP8_DTYPES
 from .fp8.recipes import Recipe
 from .op_tables import FP8, FP8_OPS
 from .policy import Policy, policy_with_fp8_ops
@@ -173,7 +174,6 @@ def _usable(device_type: str, dtype: torch.dtype) -> str | None:
     return None
 
 
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 
 
 def _with_fp8(policy: Policy, fp8) -> Policy:

@@ -27,10 +27,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
+from .fp8._rules import ALL_FP8_DTYPES as _FP8_DTYPES
+
 __all__ = ["PrecisionCensus", "OpCount"]
 
 _CAST_OPS = {torch.ops.aten._to_copy.default}
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 
 
 @dataclass

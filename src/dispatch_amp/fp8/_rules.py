@@ -18,6 +18,9 @@ __all__ = ["FORMATS", "fp8_max", "check_format", "amax", "scale_from_amax", "cas
 
 # The largest finite value of each format.
 FORMATS: dict[torch.dtype, float] = {dt: _kernels.fp8_max(dt) for dt in (torch.float8_e4m3fn, torch.float8_e5m2)}
+# Every fp8 dtype torch has, the ones the fp8 path does not produce (the "fnuz" variants)
+# included: none of them is an autocast dtype, and a gemm in any of them is an fp8 gemm.
+ALL_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 # A scaled value saturates when the clamp moves it to another fp8 value: beyond the
 # midpoint between fp8_max and the format's next step (480 for e4m3fn, 65536 for e5m2).
 # A value just above fp8_max (the scale's own rounding, amax * (fp8_max / amax)) does not.

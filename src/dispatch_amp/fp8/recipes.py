@@ -260,12 +260,16 @@ class Recipe:
             q, saturated = _cast(t2, scale, fmt)
             a, shown = a.max(), scale.min()
         else:
+            a = None
             if scale is None:
-                scale = self._scale(t2, role, fmt, site)
-            if transpose and kernels_in_use(t2):
+                scale, a = self._scale(t2, role, fmt, site)
+            kernels = kernels_in_use(t2)
+            if transpose and kernels:
                 q, q_t, a, saturated = cast_transpose(t2, scale, fmt)
-            else:
+            elif kernels or a is None:
                 q, a, saturated = cast_with_amax(t2, scale, fmt)
+            else:  # the amax is known already: the torch path would read t2 again for it
+                q, saturated = _cast(t2, scale, fmt)
             shown = scale
         if record and site is not None:
             a = self._observed(a)
@@ -273,9 +277,10 @@ class Recipe:
             self._advance(site, role, a, fmt)
         return q, scale.reciprocal(), q_t
 
-    def _scale(self, t2: torch.Tensor, role: str, fmt: torch.dtype, site: _Site | None) -> torch.Tensor:
-        """The per-tensor scale of an operand: here, from its own amax (current scaling)."""
-        return scale_from_amax(_amax(t2), fmt, power_of_two=self.power_of_two)
+    def _scale(self, t2: torch.Tensor, role: str, fmt: torch.dtype, site: _Site | None):
+        """``(scale, amax or None)`` of an operand: here, from its own amax (current scaling)."""
+        a = _amax(t2)
+        return scale_from_amax(a, fmt, power_of_two=self.power_of_two), a
 
     def _observed(self, a: torch.Tensor) -> torch.Tensor:
         """The amax a call records (delayed scaling reduces it across ranks)."""
@@ -495,7 +500,7 @@ class DelayedScaling(Recipe):
     def _scale(self, t2, role, fmt, site):
         # The backward's grad_output: the scale in force now (the forward's come from
         # _forward_scales).
-        return site.history[role][1].clone()
+        return site.history[role][1].clone(), None
 
     def _observed(self, a: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
