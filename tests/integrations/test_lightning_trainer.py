@@ -216,7 +216,7 @@ def test_our_trainer_takes_precision_as_written_bit_identically(same):
     # Other precisions stay Lightning's; the amp_* keywords need a mixed precision.
     _, trainer = _fit_with(Trainer, 1, precision="32-true", logger=False)
     assert not isinstance(trainer.precision_plugin, MixedPrecision)
-    with pytest.raises(ValueError, match="apply to precision='16-mixed' or 'bf16-mixed'"):
+    with pytest.raises(ValueError, match="apply to precision='16-mixed', 'bf16-mixed', '16-true' or 'bf16-true'"):
         Trainer(accelerator="cpu", precision="32-true", amp_fp8=amp.fp8.CurrentScaling())
     for strategy in ("fsdp", "deepspeed_stage_2"):
         with pytest.raises(ValueError, match="runs only Lightning's own precision plugin"):

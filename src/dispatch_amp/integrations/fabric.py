@@ -16,17 +16,25 @@ Checkpoints: Fabric saves only what you put in the state, so save the plugin's s
 (``fabric.strategy.precision.state_dict()``, the scaler's state dict) there; it has the same
 keys as with Fabric's plugin and loads into either.
 
+:class:`HalfPrecision` does the same for ``"16-true"`` / ``"bf16-true"`` (weights in 16 bits),
+with our opt levels' options (float32 batch norms, float32 master weights and a loss
+scale, a policy or fp8 recipe for the forward)::
+
+    fabric = L.Fabric(plugins=[HalfPrecision("16-true", "cuda", opt_level="O2")])
+
 Importing this module imports ``lightning``.
 """
 
 from __future__ import annotations
 
+from lightning.fabric.plugins.precision import HalfPrecision as _FabricHalfPrecision
 from lightning.fabric.plugins.precision import MixedPrecision as _FabricMixedPrecision
 
 from ..autocast import autocast
+from ._half import LevelPrecision, grads_to_masters, swap_masters_into
 from ._modes import PolicyPrecision
 
-__all__ = ["MixedPrecision"]
+__all__ = ["MixedPrecision", "HalfPrecision"]
 
 
 class MixedPrecision(PolicyPrecision, _FabricMixedPrecision):
@@ -63,3 +71,66 @@ class MixedPrecision(PolicyPrecision, _FabricMixedPrecision):
     def _region(self) -> autocast:
         return autocast(self.device, self._desired_input_dtype, policy=self.policy, fp8=self.fp8)
 
+
+class HalfPrecision(LevelPrecision, _FabricHalfPrecision):
+    """Lightning Fabric plugin for ``"16-true"`` / ``"bf16-true"``, carried by an opt level.
+
+    Args:
+        precision: ``"16-true"`` (float16 weights) or ``"bf16-true"`` (bfloat16 weights).
+        device: the device type of the loss scaler and autocast; default cuda, else mps, else cpu.
+        opt_level: ``"O3"`` (default: every weight in 16 bits, no loss scale: Fabric's own
+            ``HalfPrecision``, bit for bit) or ``"O2"`` (batch norms float32, float32 master
+            weights, dynamic loss scale).
+        keep_batchnorm_fp32, master_weights, loss_scale, min_loss_scale, max_loss_scale,
+        patch_torch_functions: the opt level's overrides, as in ``amp.initialize``.
+        policy, fp8: a ``Policy`` or fp8 recipe for the forward, which then runs inside
+            ``dispatch_amp.autocast``.
+
+    With master weights, ``fabric.setup(model, optimizer)`` gives the model new 16-bit
+    parameters and leaves the optimizer (made before, from the float32 parameters) stepping
+    those float32 parameters as masters; ``fabric.backward`` scales the loss,
+    ``fabric.clip_gradients`` clips the unscaled master gradients, a step with inf/nan
+    gradients is skipped, and ``model.state_dict()`` holds the masters. Save
+    ``fabric.strategy.precision.state_dict()`` (the loss scaler) beside them.
+
+    Example::
+
+        >>> plugin = HalfPrecision("bf16-true", "cpu", master_weights=True)
+        >>> plugin.props.opt_level, plugin.props.master_weights, plugin.props.loss_scale
+        ('O3', True, 1.0)
+
+        fabric = L.Fabric(accelerator="cuda", plugins=[HalfPrecision("16-true", "cuda", opt_level="O2")])
+        model, optimizer = fabric.setup(model, optimizer)
+    """
+
+    def forward_context(self):
+        """Fabric's default-dtype switch, inside ``dispatch_amp.autocast`` when the level patches."""
+        return self._level_forward(super().forward_context())
+
+    def backward(self, tensor, model, *args, **kwargs) -> None:
+        """Backward of the loss times the loss scale, when the level has one."""
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        super().backward(tensor, model, *args, **kwargs)
+
+    def _gradients_to_masters(self, optimizer) -> None:
+        swap_masters_into(optimizer, self._pairs)  # an optimizer made after fabric.setup_module()
+        grads_to_masters(self._pairs)
+
+    def unscale_gradients(self, optimizer) -> None:
+        """Moves the gradients into the float32 masters and unscales them (before clipping)."""
+        self._gradients_to_masters(optimizer)
+        if self.scaler is not None:
+            if getattr(optimizer, "_step_supports_amp_scaling", False):
+                raise NotImplementedError(
+                    f"{type(optimizer).__qualname__} unscales its gradients inside step() (fused), so they "
+                    "cannot be clipped first; use a non-fused optimizer or no gradient clipping"
+                )
+            self.scaler.unscale_(optimizer)
+
+    def optimizer_step(self, optimizer, **kwargs):
+        """The step on the masters, skipped after inf/nan gradients; the model gets their rounded copies."""
+        self._gradients_to_masters(optimizer)
+        if self.scaler is None:
+            return super().optimizer_step(optimizer, **kwargs)
+        return self._scaled_step(optimizer, **kwargs)

@@ -12,9 +12,13 @@ or, keeping ``Trainer(precision="16-mixed")`` as written::
     # from lightning.pytorch import Trainer
     from dispatch_amp.integrations.lightning import Trainer
 
+:class:`HalfPrecision` does the same for ``"16-true"`` / ``"bf16-true"`` (weights in 16 bits),
+with our opt levels' options: float32 batch norms, float32 master weights and a loss scale
+(O2), a policy or fp8 recipe for the forward.
+
 :class:`AmpMetrics` logs the loss scale and skipped steps through Lightning's loggers.
 
-It subclasses Lightning's ``MixedPrecision``, so everything Lightning does for that plugin
+``MixedPrecision`` subclasses Lightning's ``MixedPrecision``, so everything Lightning does for that plugin
 (unscaling before gradient clipping, skipping steps on overflow, strategy checks) applies
 unchanged; only the autocast is ours, and for ``"16-mixed"`` the default scaler.
 
@@ -32,13 +36,15 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback
 from lightning.pytorch import Trainer as _LightningTrainer
+from lightning.pytorch.plugins.precision import HalfPrecision as _LightningHalfPrecision
 from lightning.pytorch.plugins.precision import MixedPrecision as _LightningMixedPrecision
 
 from ..autocast import autocast
+from ._half import TRUE_PRECISIONS, LevelPrecision, grads_to_masters, swap_masters_into
 from ._modes import PolicyPrecision, precision_dtype
 from .metrics import amp_metrics
 
-__all__ = ["MixedPrecision", "AmpMetrics", "Trainer"]
+__all__ = ["MixedPrecision", "HalfPrecision", "AmpMetrics", "Trainer"]
 
 # Where Lightning's own plugin keeps its scaler state in a checkpoint.
 STOCK_CHECKPOINT_KEY = _LightningMixedPrecision.__qualname__
@@ -114,6 +120,76 @@ class MixedPrecision(PolicyPrecision, _LightningMixedPrecision):
             self.load_state_dict(checkpoint[STOCK_CHECKPOINT_KEY])
 
 
+class HalfPrecision(LevelPrecision, _LightningHalfPrecision):
+    """Lightning Trainer plugin for ``"16-true"`` / ``"bf16-true"``, carried by an opt level.
+
+    Args:
+        precision: ``"16-true"`` (float16 weights) or ``"bf16-true"`` (bfloat16 weights).
+        device: the device type of the loss scaler and autocast; default cuda, else mps, else cpu.
+        opt_level: ``"O3"`` (default: every weight in 16 bits, no loss scale: Lightning's own
+            ``HalfPrecision``, bit for bit) or ``"O2"`` (batch norms float32, float32 master
+            weights that the optimizer updates, dynamic loss scale).
+        keep_batchnorm_fp32, master_weights, loss_scale, min_loss_scale, max_loss_scale,
+        patch_torch_functions: the opt level's overrides, as in ``amp.initialize``
+            (float16 weights with a loss scale need master weights).
+        policy, fp8: a ``Policy`` or fp8 recipe for the forward, which then runs inside
+            ``dispatch_amp.autocast`` (``patch_torch_functions`` defaults to True with them).
+
+    Inputs are cast to the 16-bit dtype and the default dtype is switched during each step,
+    as Lightning's plugin does. With master weights the model gets new 16-bit parameters,
+    the optimizers (made after the cast) step the float32 masters, and checkpoints hold the
+    masters (a stock checkpoint resumes into this plugin and back). Gradient clipping and
+    ``on_before_optimizer_step`` see the unscaled float32 master gradients.
+
+    Example::
+
+        >>> plugin = HalfPrecision("16-true", "cpu", opt_level="O2")
+        >>> plugin.scaler.get_scale(), plugin.props.master_weights
+        (65536.0, True)
+
+        trainer = L.Trainer(plugins=[HalfPrecision("bf16-true", "cuda", master_weights=True)])
+    """
+
+    def forward_context(self):
+        """Lightning's default-dtype switch, inside ``dispatch_amp.autocast`` when the level patches."""
+        return self._level_forward(super().forward_context())
+
+    def connect(self, model, optimizers, lr_schedulers):
+        """Puts the float32 masters into the optimizers (made after the model was cast)."""
+        for optimizer in optimizers:
+            swap_masters_into(optimizer, self._pairs)
+        return super().connect(model, optimizers, lr_schedulers)
+
+    def pre_backward(self, tensor, module):
+        """Scales the loss when the level has a loss scale."""
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        return super().pre_backward(tensor, module)
+
+    def optimizer_step(self, optimizer, model, closure, **kwargs):
+        """Masters' gradients filled and unscaled, clipping hooks, a step skipped on inf/nan, masters copied back."""
+        if self.scaler is None:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        closure_result = closure()
+        # automatic optimization whose training_step returned None ran no backward
+        skip = closure_result is None and model.automatic_optimization
+        grads_to_masters(self._pairs)
+        if not skip and not getattr(optimizer, "_step_supports_amp_scaling", False):
+            self.scaler.unscale_(optimizer)  # before the clipping hooks, as Lightning's MixedPrecision
+        self._after_closure(model, optimizer)
+        if skip:
+            return closure_result
+        return self._scaled_step(optimizer, **kwargs)
+
+    def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=None):
+        """Refuses clipping with an optimizer that unscales inside its step (fused), as Lightning does."""
+        if clip_val > 0 and self.scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
+            raise RuntimeError(
+                f"{type(optimizer).__qualname__} unscales its gradients inside step() (fused), so they "
+                "cannot be clipped first; use a non-fused optimizer or no gradient clipping"
+            )
+        kwargs = {} if gradient_clip_algorithm is None else {"gradient_clip_algorithm": gradient_clip_algorithm}
+        super().clip_gradients(optimizer, clip_val, **kwargs)
 
 
 # -- the scaler's numbers in Lightning's logs -------------------------------------------------
@@ -186,20 +262,24 @@ def _check_strategy(strategy) -> None:
 
 
 class Trainer(_LightningTrainer):
-    """``lightning.pytorch.Trainer`` whose mixed precisions run dispatch_amp.
+    """``lightning.pytorch.Trainer`` whose 16-bit precisions run dispatch_amp.
 
     ``precision="16-mixed"`` / ``"bf16-mixed"`` (and ``16``, ``"16"``, ``"bf16"``) become
-    ``plugins=[MixedPrecision(precision, device)]``, the device taken from
-    ``accelerator``; every other precision is Lightning's own. :class:`AmpMetrics` is added
-    to the callbacks (``amp_metrics=False`` leaves it out). Extra keywords, all optional:
-    ``amp_policy``, ``amp_scaler_options``, ``amp_fp8``: the plugin's ``policy``,
-    ``scaler_options``, ``fp8``.
+    ``plugins=[MixedPrecision(precision, device)]``, and ``"16-true"`` / ``"bf16-true"``
+    ``plugins=[HalfPrecision(precision, device)]``, the device taken from ``accelerator``;
+    every other precision is Lightning's own. :class:`AmpMetrics` is added to the callbacks
+    (``amp_metrics=False`` leaves it out). Extra keywords, all optional: ``amp_policy``,
+    ``amp_fp8`` (both plugins' ``policy``, ``fp8``), ``amp_scaler_options`` (mixed: the
+    scaler's), ``amp_opt_level`` and ``amp_opt_overrides`` (true: ``opt_level`` and a dict of
+    the level's overrides, e.g. ``{"master_weights": True}``).
 
     Example::
 
         >>> trainer = Trainer(accelerator="cpu", precision="bf16-mixed", logger=False)
         >>> type(trainer.precision_plugin).__module__, trainer.precision_plugin.precision
         ('dispatch_amp.integrations.lightning', 'bf16-mixed')
+        >>> Trainer(accelerator="cpu", precision="16-true", amp_opt_level="O2", logger=False).precision_plugin
+        HalfPrecision('16-true', 'cpu', opt_level='O2', master_weights=True, keep_batchnorm_fp32=True, loss_scale='dynamic')
 
         # from lightning.pytorch import Trainer
         from dispatch_amp.integrations.lightning import Trainer
@@ -209,23 +289,35 @@ class Trainer(_LightningTrainer):
 
     def __init__(self, *args: Any, precision: Any = None, plugins: Any = None, callbacks: Any = None,
                  amp_policy: Any = None, amp_scaler_options: Any = None, amp_fp8: Any = None,
+                 amp_opt_level: str | None = None, amp_opt_overrides: dict[str, Any] | None = None,
                  amp_metrics: bool = True, **kwargs: Any) -> None:
         plugins = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
         callbacks = [] if callbacks is None else list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
         try:
-            ours = _MIXED.get(precision)
+            mixed, true = _MIXED.get(precision), precision in TRUE_PRECISIONS
         except TypeError:  # an unhashable precision: Lightning's to judge
-            ours = None
-        if ours is not None:
+            mixed, true = None, False
+        if mixed is None and any(v is not None for v in (amp_scaler_options,)):
+            raise ValueError(f"amp_scaler_options applies to precision='16-mixed' or 'bf16-mixed', got precision={precision!r}")
+        if not true and (amp_opt_level is not None or amp_opt_overrides is not None):
+            raise ValueError(
+                f"amp_opt_level/amp_opt_overrides apply to precision='16-true' or 'bf16-true' (weights "
+                f"in 16 bits), got precision={precision!r}"
+            )
+        if mixed is not None or true:
             _check_strategy(kwargs.get("strategy", "auto"))
             device = _autocast_device(kwargs.get("accelerator", "auto"))
-            plugins.append(MixedPrecision(ours, device, policy=amp_policy,
-                                          scaler_options=amp_scaler_options, fp8=amp_fp8))
+            if mixed is not None:
+                plugin = MixedPrecision(mixed, device, policy=amp_policy, scaler_options=amp_scaler_options, fp8=amp_fp8)
+            else:
+                plugin = HalfPrecision(precision, device, opt_level=amp_opt_level or "O3", policy=amp_policy,
+                                       fp8=amp_fp8, **dict(amp_opt_overrides or {}))
+            plugins.append(plugin)
             precision = None
-        elif any(v is not None for v in (amp_policy, amp_scaler_options, amp_fp8)):
+        elif amp_policy is not None or amp_fp8 is not None:
             raise ValueError(
-                f"amp_policy/amp_scaler_options/amp_fp8 apply to precision='16-mixed' or "
-                f"'bf16-mixed', got precision={precision!r}"
+                f"amp_policy/amp_fp8 apply to precision='16-mixed', 'bf16-mixed', '16-true' or "
+                f"'bf16-true', got precision={precision!r}"
             )
         if amp_metrics and not any(isinstance(c, AmpMetrics) for c in callbacks):
             callbacks.append(AmpMetrics())
