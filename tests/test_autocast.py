@@ -304,6 +304,94 @@ def test_binary_cross_entropy_is_refused_under_the_cuda_table():
         assert F.binary_cross_entropy(p, y).dtype == torch.float32
 
 
+CROSS_ENTROPY_FORMS = {
+    "plain": {},
+    "label-smoothing": {"label_smoothing": 0.1},
+    "weight": {"weight": True},
+    "weight-label-smoothing": {"weight": True, "label_smoothing": 0.2},
+    "ignore-index": {"ignore_index": 3, "label_smoothing": 0.1},
+    "sum": {"reduction": "sum", "label_smoothing": 0.3},
+    "none": {"reduction": "none", "label_smoothing": 0.1},
+    "probabilities": {"probs": True, "label_smoothing": 0.1, "weight": True},
+}
+
+
+def _native_cuda_cross_entropy(x, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0):
+    # What native CUDA autocast computes (measured on an H100): LossNLL.cpp's composite with
+    # log_softmax in the input's dtype (its dtype is given, so autocast leaves it), nll_loss
+    # on a float32 cast, and sums given dtype=float32.
+    f32 = torch.float32
+    lp = torch.log_softmax(x, 1, dtype=x.dtype)
+    n = lp.shape[1]
+    if target.shape == x.shape:
+        t = target * (1 - label_smoothing) + label_smoothing / n
+        prod = lp * t * (weight.view(1, n) if weight is not None else 1)
+        return -prod.sum(dtype=f32) / (lp.numel() // n)
+    nll = F.nll_loss(lp.float(), target, None if weight is None else weight.float(), ignore_index=ignore_index, reduction=reduction)
+    if label_smoothing == 0:
+        return nll
+    smooth = -(lp * weight.view(1, n)).sum(1, dtype=f32) if weight is not None else -lp.sum(1, dtype=f32)
+    ignored = target == ignore_index
+    smooth.masked_fill_(ignored, 0.0)
+    if reduction == "mean":
+        den = weight.gather(0, target.masked_select(~ignored)).sum(dtype=f32) if weight is not None else (~ignored).sum()
+        smooth = smooth.sum(dtype=f32) / den
+    elif reduction == "sum":
+        smooth = smooth.sum(dtype=f32)
+    return (1 - label_smoothing) * nll + smooth * (label_smoothing / n)
+
+
+@pytest.mark.parametrize("form", sorted(CROSS_ENTROPY_FORMS))
+def test_cross_entropy_under_the_cuda_table_is_natives_composite(form):
+    opts = dict(CROSS_ENTROPY_FORMS[form])
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 10, generator=g).half()
+    target = torch.softmax(torch.randn(6, 10, generator=g), 1) if opts.pop("probs", False) else torch.randint(0, 10, (6,), generator=g)
+    if opts.pop("weight", False):
+        opts["weight"] = torch.rand(10, generator=g)
+    with amp.autocast("cpu", dtype=torch.float16, policy=CUDA_POLICY):
+        got = F.cross_entropy(x, target, **opts)
+        module = torch.nn.CrossEntropyLoss(**opts)(x, target)
+        aten = torch._C._nn.cross_entropy_loss(x, target, opts.get("weight"), {"none": 0, "mean": 1, "sum": 2}[opts.get("reduction", "mean")],
+                                               opts.get("ignore_index", -100), opts.get("label_smoothing", 0.0))
+    want = _native_cuda_cross_entropy(x, target, **opts)
+    assert got.dtype == want.dtype == torch.float32
+    assert torch.equal(got, want) and torch.equal(module, want) and torch.equal(aten, want)
+
+
+@pytest.mark.parametrize("name", ["vector_norm", "softmax", "cumsum", "sum"])
+def test_fp32_unless_dtype_ops_get_dtype_float32_as_native_passes_it(name):
+    # Native appends dtype=float32 rather than casting the input: the op's own dtype path
+    # runs, and its backward (for vector_norm it differs from a cast's in the last bit).
+    fn = {"vector_norm": torch.linalg.vector_norm, "softmax": lambda t, **k: torch.softmax(t, 0, **k),
+          "cumsum": lambda t, **k: t.cumsum(0, **k), "sum": torch.sum}[name]
+    v = torch.randn(64, dtype=torch.float16, requires_grad=True)
+    with amp.autocast("cpu", dtype=torch.float16, policy=CUDA_POLICY):
+        out = fn(v)
+    grad, = torch.autograd.grad(out.float().sum(), v)
+    want = fn(v, dtype=torch.float32)
+    want_grad, = torch.autograd.grad(want.float().sum(), v)
+    assert out.dtype == torch.float32 and grad.dtype == torch.float16
+    assert torch.equal(out, want) and torch.equal(grad, want_grad)
+    # the op's own dtype path, not a cast in front of it: the same autograd graph
+    def graph(t):
+        node, names = t.grad_fn, []
+        while node is not None:
+            names.append(type(node).__name__)
+            node = node.next_functions[0][0] if node.next_functions else None
+        return names
+
+    assert graph(out) == graph(want)
+
+
+def test_fp32_unless_dtype_leaves_ineligible_calls_as_given():
+    with amp.autocast("cpu", dtype=torch.float16, policy=CUDA_POLICY):
+        assert torch.sum(torch.ones(3, dtype=torch.float64)).dtype == torch.float64
+        assert torch.sum(torch.ones(3, dtype=torch.int64)).dtype == torch.int64
+        out = torch.empty((), dtype=torch.float16)
+        assert torch.sum(torch.ones(3, dtype=torch.float16), 0, out=out).dtype == torch.float16
+
+
 def test_explicit_dtype_argument_is_respected_by_fp32_ops():
     x = torch.randn(8, dtype=torch.float16)
     with amp.autocast("cpu", dtype=torch.float16, policy=CUDA_POLICY):

@@ -36,3 +36,16 @@ def test_aten_routes_never_cast_out_or_inplace_overloads():
     assert routes.aten_kind(torch.ops.aten.mm.default) is CastKind.LOWER
     assert routes.aten_kind(torch.ops.aten.mm.out) is None
     assert routes.aten_kind(torch.ops.aten.addmm_.default) is None
+
+
+def test_rnn_layers_are_left_to_native_under_the_builtin_cuda_policy():
+    # Native's _cudnn_rnn wrapper casts them (to float16, re-flattened) below us; a policy
+    # of one's own casts them whole, and cross_entropy follows native's C++ composite.
+    builtin = routes_for(Policy.for_device("cuda"))
+    derived = routes_for(Policy.for_device("cuda").with_ops(fp32=["softmax"]))
+    for fn in (torch._VF.lstm, torch._VF.gru, torch._VF.rnn_tanh, torch._VF.rnn_relu):
+        assert builtin.function_route(fn) is None
+        assert derived.function_route(fn) is CastKind.LOWER
+    assert routes_for(Policy.for_device("xpu")).function_route(torch._VF.lstm) is CastKind.LOWER
+    assert builtin.function_route(F.cross_entropy) is DECOMPOSITIONS["cross_entropy_loss"]
+    assert routes_for(Policy.for_device("cpu")).function_route(F.cross_entropy) is CastKind.FP32

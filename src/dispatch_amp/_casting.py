@@ -166,6 +166,33 @@ def banned_message(name: str) -> str:
     )
 
 
+# The fp32-unless-dtype functions whose every Python form takes ``dtype=`` as a keyword.
+# (``norm``'s raw overloads do not: ``_VF.norm(x, p, dim)`` has no dtype form without
+# ``keepdim``; it keeps the cast, which matched native's bits on an H100.)
+_TAKE_DTYPE = frozenset({"softmax", "log_softmax", "cumprod", "cumsum", "prod", "sum",
+                         "linalg_vector_norm", "vector_norm", "linalg_matrix_norm", "matrix_norm"})
+
+
+def float32_dtype_kwargs(func, device_type: str, args, kwargs):
+    """The keyword arguments of an fp32-unless-dtype call made as native makes it, or None.
+
+    Native autocast does not cast the input of these ops (softmax, sums, norms): when the
+    first argument is an eligible floating tensor and no dtype is given, it calls the op
+    with ``dtype=torch.float32``, so the op's own dtype path runs, backward included (for
+    ``linalg_vector_norm`` that gradient differs in the last bit from a cast's, measured on
+    an H100). Aten overloads (the aten level, ``_softmax``), ``norm`` and calls with
+    ``out=`` keep the cast. None: not such a call here, cast as ``target_dtype`` says.
+    """
+    if getattr(func, "__name__", None) not in _TAKE_DTYPE or isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return None
+    if kwargs and kwargs.get("out") is not None:
+        return None
+    first = args[0] if args else next(iter(kwargs.values()), None) if kwargs else None
+    if not isinstance(first, _Tensor) or not first.is_floating_point() or first.dtype is _float64 or first.device.type != device_type:
+        return dict(kwargs) if kwargs else {}
+    return {**kwargs, "dtype": _float32} if kwargs else {"dtype": _float32}
+
+
 def cast_arguments(kind: CastKind, ctx: DeviceContext, args, kwargs, st: ThreadState, func):
     """Returns (args, kwargs) cast per ``kind``; raises for banned ops."""
     if kind is BANNED:
@@ -173,6 +200,10 @@ def cast_arguments(kind: CastKind, ctx: DeviceContext, args, kwargs, st: ThreadS
     dtype = target_dtype(kind, ctx.dtype, ctx.device_type, args, kwargs)
     if dtype is None:
         return args, kwargs
+    if kind is FP32_UNLESS_DTYPE:
+        with_dtype = float32_dtype_kwargs(func, ctx.device_type, args, kwargs)
+        if with_dtype is not None:
+            return args, with_dtype
     args = map_tensors(args, dtype, ctx, st)
     if kwargs:
         values = tuple(kwargs.values())

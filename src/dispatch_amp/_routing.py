@@ -36,6 +36,9 @@ class Route(Enum):
 GETTER = Route.GETTER
 EXPAND = Route.EXPAND
 
+# The RNN layers that reach cuDNN's _cudnn_rnn on CUDA (see Routes.__init__).
+_CUDNN_RNN_FUNCTIONS = frozenset({"lstm", "gru", "rnn_tanh", "rnn_relu"})
+
 # Python-level names whose aten op is spelled differently.
 _FUNCTION_ALIASES = {
     "__matmul__": "matmul",
@@ -77,10 +80,17 @@ class Routes:
         ('lower', None)
     """
 
-    __slots__ = ("rules", "function", "aten")
+    __slots__ = ("rules", "function", "aten", "left_to_native")
 
     def __init__(self, policy: Policy):
         self.rules = policy.rules
+        # Under the built-in CUDA policy native autocast stays on below us, and its
+        # _cudnn_rnn wrapper casts an RNN's weights into a fresh float16 flat buffer (float16
+        # whatever the region's dtype). Casting the call first would round the weights to
+        # the region's dtype before that (bfloat16 then float16: not native's bits, measured
+        # on an H100), so these calls are left to native whole.
+        builtin_cuda = "cuda" in BUILTIN_DEVICES and policy._key == Policy.for_device("cuda")._key
+        self.left_to_native = _CUDNN_RNN_FUNCTIONS if builtin_cuda else frozenset()
         # Filled on first sight of a callable / overload; the rules never change, so the
         # memos never need invalidating.
         self.function: dict = {}
@@ -115,6 +125,8 @@ class Routes:
             return GETTER
         if isinstance(name, str):
             name = _FUNCTION_ALIASES.get(name, name)
+            if name in self.left_to_native:
+                return None
             kind = self.rules.get("aten::" + name)
             if kind is not None:
                 return kind

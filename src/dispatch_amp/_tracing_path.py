@@ -17,11 +17,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from . import _torch_compat
-from ._casting import banned_message, first_tensor, op_name, target_dtype
+from ._casting import banned_message, first_tensor, float32_dtype_kwargs, op_name, target_dtype
 from ._routing import EXPAND, GETTER, clone_without_dispatch_check
 from ._state import STATE, DeviceContext, native_nesting
-from .composites import NOT_HANDLED
-from .op_tables import BANNED, CastKind
+from .composites import DECOMPOSITIONS, NOT_HANDLED
+from .op_tables import BANNED, FP32_UNLESS_DTYPE, CastKind
 from .fp8 import fp8_linear
 from .fp8._eligibility import fp8_eligible, linear_arguments
 from .warning_types import AmpNumericsWarning
@@ -74,7 +74,9 @@ def trace_plan(trace_key: str, func, device_type: str | None):
     if kind is EXPAND:
         return ("expand", _clone_name(func), devices)
     if kind.__class__ is not CastKind:
-        return ("decompose", kind, devices)
+        # By name: the traced code looks the function up in DECOMPOSITIONS, a global Dynamo
+        # can guard on (a function carried in this constant result has no source to guard).
+        return ("decompose", next(name for name, f in DECOMPOSITIONS.items() if f is kind), devices)
     if kind is BANNED:
         return ("banned", banned_message(op_name(func)), devices)
     return ("cast", (kind.value, ctx.dtype), devices)
@@ -115,7 +117,7 @@ def trace_call(mode: TorchFunctionMode, func, args, kwargs):
             return getattr(_TRACED_CLONES, detail)(*args, **kwargs)
     if action == "decompose":
         with mode:
-            out = detail(*args, **kwargs)
+            out = DECOMPOSITIONS[detail](*args, **kwargs)
         return func(*args, **kwargs) if out is NOT_HANDLED else out
     if action == "banned":
         raise RuntimeError(detail)
@@ -125,8 +127,12 @@ def trace_call(mode: TorchFunctionMode, func, args, kwargs):
             return traced
         detail = ("lower", detail[1])  # not taken by the fp8 path: the region's dtype
     if action == "cast" and not (kwargs and kwargs.get("out") is not None):
-        dtype = target_dtype(_KINDS[detail[0]], detail[1], device_type, args, kwargs)
-        if dtype is not None:
+        kind = _KINDS[detail[0]]
+        dtype = target_dtype(kind, detail[1], device_type, args, kwargs)
+        with_dtype = None if dtype is None or kind is not FP32_UNLESS_DTYPE else float32_dtype_kwargs(func, device_type, args, kwargs)
+        if with_dtype is not None:
+            kwargs = with_dtype
+        elif dtype is not None:
             args = _trace_cast(args, dtype, device_type)
             kwargs = {k: _trace_cast((v,), dtype, device_type)[0] for k, v in kwargs.items()}
     return _call_native_off(devices, func, args, kwargs)

@@ -9,7 +9,7 @@ Python versions instead, with itself active: the ``F.linear`` calls inside are c
 native casts them and everything else follows ordinary type promotion.
 
 Each decomposition follows its C++ original (aten/src/ATen/native/RNN.cpp, CPU path;
-PadNd.cpp for ``pad``) op for op, in-place ops included, so values and autograd graphs are the same. It is used
+PadNd.cpp for ``pad``; LossNLL.cpp for ``cross_entropy_loss``) op for op, in-place ops included, so values and autograd graphs are the same. It is used
 only when the op is in no table of the active policy (the CUDA table casts these ops
 whole, as cuDNN does) and returns ``NOT_HANDLED`` for call forms it does not cover,
 which then run as given.
@@ -108,10 +108,88 @@ def pad(input, pad, mode="constant", value=None):
     return NOT_HANDLED if op is None else op(input, pad)
 
 
+_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+
+
+def cross_entropy_loss(input, target, weight=None, *args, **kwargs):
+    """``F.cross_entropy`` (or ``torch._C._nn.cross_entropy_loss``) as LossNLL.cpp composes it.
+
+    Native CUDA autocast does not register ``cross_entropy_loss``: the C++ composite calls
+    ``log_softmax(input, dim, dtype=input.dtype)``, which its fp32-unless-dtype rule leaves
+    in the low dtype because the dtype is given, then ``nll_loss`` (float32) and, with label
+    smoothing or probability targets, sums (float32). Made here from the same calls, the
+    function level casts each one as native does (measured on an H100: native's float16
+    loss is ``nll_loss(log_softmax(x16).float())``, not the float32 cross entropy).
+    """
+    if "reduction" in kwargs and isinstance(kwargs["reduction"], int) or args and isinstance(args[0], int):
+        # the aten signature: (input, target, weight, reduction: int, ignore_index, label_smoothing)
+        names = ("reduction", "ignore_index", "label_smoothing")
+        kwargs = {**dict(zip(names, args)), **kwargs}
+        kwargs["reduction"] = _REDUCTIONS[kwargs.get("reduction", 1)]
+    else:
+        names = ("size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
+        kwargs = {**dict(zip(names, args)), **kwargs}
+        if kwargs.pop("size_average", None) is not None or kwargs.pop("reduce", None) is not None:
+            return NOT_HANDLED  # the legacy arguments: F.cross_entropy resolves them itself
+    reduction = kwargs.get("reduction", "mean")
+    ignore_index = kwargs.get("ignore_index", -100)
+    label_smoothing = kwargs.get("label_smoothing", 0.0)
+    if not isinstance(input, torch.Tensor) or not isinstance(target, torch.Tensor) or reduction not in ("none", "mean", "sum"):
+        return NOT_HANDLED
+    if weight is not None and type(weight) is not torch.Tensor and label_smoothing > 0:
+        return NOT_HANDLED  # the tensor-subclass branch of the C++ original
+    class_dim = 0 if input.dim() == 1 else 1
+    log_probs = torch.log_softmax(input, class_dim, dtype=input.dtype)
+    if input.shape == target.shape:
+        return _cross_entropy_probabilities(log_probs, target, weight, reduction, label_smoothing, class_dim)
+    nll = F.nll_loss(log_probs, target, weight, ignore_index=ignore_index, reduction=reduction)
+    if label_smoothing <= 0.0:
+        return nll
+    n_classes = log_probs.shape[class_dim]
+    if weight is not None:
+        shape = [1] * log_probs.dim()
+        shape[class_dim] = weight.shape[0]
+        smooth = -(log_probs * weight.view(shape)).sum(class_dim)
+    else:
+        smooth = -log_probs.sum(class_dim)
+    ignored = target == ignore_index
+    smooth.masked_fill_(ignored, 0.0)
+    if reduction == "mean":
+        if weight is not None:
+            smooth = smooth.sum() / weight.gather(0, target.masked_select(~ignored).flatten()).sum()
+        else:
+            smooth = smooth.sum() / (~ignored).sum()
+    elif reduction == "sum":
+        smooth = smooth.sum()
+    return (1 - label_smoothing) * nll + smooth * (label_smoothing / n_classes)
+
+
+def _cross_entropy_probabilities(log_probs, target, weight, reduction, label_smoothing, class_dim):
+    n_classes = log_probs.shape[class_dim]
+    if label_smoothing > 0.0:
+        target = target * (1 - label_smoothing) + label_smoothing / n_classes
+    product = log_probs * target
+    if weight is not None and log_probs.dim() > 1:
+        shape = [1] * log_probs.dim()
+        shape[1] = weight.shape[0]
+        product = product * weight.view(shape)
+    elif weight is not None:
+        product = product * weight
+    if reduction == "none":
+        return -product.sum(class_dim)
+    total = -product.sum()
+    if reduction == "sum":
+        return total
+    if log_probs.numel() == 0:
+        return total.fill_(float("nan"))
+    return total / (log_probs.numel() // n_classes)
+
+
 # aten op name -> decomposition
 DECOMPOSITIONS = {
     "lstm_cell": lstm_cell,
     "gru_cell": gru_cell,
     "gru": gru,
     "pad": pad,
+    "cross_entropy_loss": cross_entropy_loss,
 }

@@ -91,8 +91,9 @@ CUDA_TABLE = {
         # recurrent cells and layers (cuDNN's RNN casts its flattened weights itself)
         "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
         "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "lstm", "gru", "rnn_tanh", "rnn_relu",
-        # (CUDA builds also register _cudnn_rnn, which native casts and re-flattens; it is
-        # not listed: lstm and gru are cast whole above it, at the function level.)
+        # (CUDA builds also register _cudnn_rnn, which native casts to float16 and
+        # re-flattens; it is not listed. Under the built-in CUDA policy the layers above it
+        # are left to native whole (_routing.Routes); a policy of one's own casts them whole.)
         # attention
         "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
         # misc
@@ -115,9 +116,8 @@ CUDA_TABLE = {
         "smooth_l1_loss", "huber_loss", "mse_loss", "margin_ranking_loss",
         "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss",
         "multi_margin_loss", "binary_cross_entropy_with_logits",
-        # Native leaves cross_entropy to its decomposition, log_softmax (fp32) + nll_loss
-        # (fp32), which runs in C++ where our function level cannot see it: float32 whole.
-        "cross_entropy_loss",
+        # (cross_entropy_loss is in no list: native leaves it to its C++ composite, whose
+        # log_softmax keeps the input's dtype; composites.py rebuilds it from the same calls.)
         # resampling
         "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
         "_upsample_nearest_exact1d", "_upsample_nearest_exact2d", "_upsample_nearest_exact3d",
@@ -209,7 +209,6 @@ CUDA_OWN = {
     "native_group_norm": "group_norm",
     "_fused_rms_norm": "rms_norm",
     "nll_loss_forward": "nll_loss", "nll_loss2d_forward": "nll_loss2d",
-    "cross_entropy_loss": None,
     "_softmax": "softmax", "_log_softmax": "log_softmax",
 }
 
