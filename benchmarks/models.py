@@ -150,3 +150,54 @@ class ResidualMLP(nn.Module):
 
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(self.forward(x), y)
+
+
+class Bottleneck(nn.Module):
+    """ResNet v1.5 bottleneck: 1x1, 3x3 (stride here), 1x1 convolutions without bias, each
+    followed by BatchNorm2d; ReLU; a projection shortcut where the shape changes."""
+
+    expansion = 4
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1):
+        super().__init__()
+        out = planes * self.expansion
+        self.conv1, self.bn1 = nn.Conv2d(inplanes, planes, 1, bias=False), nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.conv3, self.bn3 = nn.Conv2d(planes, out, 1, bias=False), nn.BatchNorm2d(out)
+        self.down = None
+        if stride != 1 or inplanes != out:
+            self.down = nn.Sequential(nn.Conv2d(inplanes, out, 1, stride=stride, bias=False), nn.BatchNorm2d(out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn1(self.conv1(x)))
+        h = F.relu(self.bn2(self.conv2(h)))
+        h = self.bn3(self.conv3(h))
+        return F.relu(h + (x if self.down is None else self.down(x)))
+
+
+class ResNet(nn.Module):
+    """A ResNet with bottleneck blocks; the defaults are ResNet-50's shape (blocks 3, 4, 6, 3;
+    width 64; 1000 classes: 25.6M parameters, as torchvision's resnet50). Plain ``torch.nn``,
+    so no torchvision is needed."""
+
+    def __init__(self, blocks=(3, 4, 6, 3), width: int = 64, classes: int = 1000, channels: int = 3):
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(channels, width, 7, stride=2, padding=3, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
+            nn.MaxPool2d(3, stride=2, padding=1),
+        )
+        layers, inplanes = [], width
+        for i, n in enumerate(blocks):
+            planes = width * 2**i
+            for j in range(n):
+                layers.append(Bottleneck(inplanes, planes, stride=2 if (j == 0 and i > 0) else 1))
+                inplanes = planes * Bottleneck.expansion
+        self.layers = nn.Sequential(*layers)
+        self.head = nn.Linear(inplanes, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.flatten(F.adaptive_avg_pool2d(self.layers(self.stem(x)), 1), 1))
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self(x), y)

@@ -18,8 +18,9 @@ Rule (``hysteresis=1`` and no bounds is exactly ``torch._amp_update_scale_``)::
                    new = min(scale * growth_factor, max_scale)
                    if new is finite: scale = new       # never grow to inf
 
-Products are formed in fp64 and rounded once to fp32, as torch's CPU kernel does (its CUDA
-kernel multiplies in fp32; the two agree for the default power-of-two factors).
+Products are formed in fp64 and rounded once to fp32, as torch's kernels do (its CUDA
+kernel takes the factors as doubles too: bit-equal on an H100 with non-power-of-two
+factors, tests/cuda/test_kernels_cuda.py).
 Hysteresis follows Megatron-LM/DeepSpeed: the tracker is not refilled by a backoff, so once
 N overflows in a row have happened, each further overflow in the run backs off again.
 """

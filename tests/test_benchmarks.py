@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 # Only a guard against a hang: a loaded CI machine may take many times the usual minute.
@@ -51,3 +54,26 @@ def test_standalone_script_runs_quick(script):
     res = subprocess.run([sys.executable, f"benchmarks/{script}", "--quick"], cwd=REPO, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert res.returncode == 0, res.stderr[-4000:]
     assert SCRIPTS[script] in res.stdout, res.stdout[-2000:]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without CUDA")
+def test_device_cuda_without_cuda_is_a_clear_error():
+    res = subprocess.run([sys.executable, "-m", "benchmarks", "--device", "cuda", "--quick", "--no-save"], cwd=REPO,
+                         capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "--device cuda: no CUDA GPU is available here" in res.stderr
+    assert "## train-step" not in res.stdout  # nothing ran
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the script runs the whole GPU check")
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_gpu_check_script_refuses_a_machine_without_cuda(tmp_path):
+    script = REPO / "scripts" / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    env = {**os.environ, "PYTHON": sys.executable, "REPORT": str(tmp_path / "report.md")}
+    env.pop("OUT", None)
+    res = subprocess.run(["bash", str(script), "--bench-only", "--quick"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "no CUDA GPU is visible to torch here" in res.stderr
+    assert not (tmp_path / "report.md").exists()

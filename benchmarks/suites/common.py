@@ -1,11 +1,15 @@
-"""Shared pieces of the suites: tables, targets, interleaved timing, quantiles."""
+"""Shared pieces of the suites: tables, targets, interleaved timing, quantiles, devices."""
 
 from __future__ import annotations
 
+import gc
 import statistics
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 REPO = Path(__file__).resolve().parents[2]  # children run `python -m benchmarks.run` from here
 
@@ -77,22 +81,56 @@ def rotations(items, rounds):
         yield items[k:] + items[:k]
 
 
-def interleaved(fns: dict, rounds: int, warmup: int = 1, setup=None) -> dict:
+def interleaved(fns: dict, rounds: int, warmup: int = 1, setup=None, sync=None) -> dict:
     """Seconds per call of each fn, interleaved over ``rounds``; ``setup(name)`` runs
-    untimed before each call. Returns name -> list of samples (one per round)."""
+    untimed before each call. Returns name -> list of samples (one per round).
+
+    ``sync`` (e.g. ``torch.cuda.synchronize``) runs untimed before each call's clock
+    starts and, timed, after the call: asynchronous device work is then inside the sample."""
     for name, fn in fns.items():
         for _ in range(warmup):
             if setup:
                 setup(name)
             fn()
+            if sync:
+                sync()
     samples = {name: [] for name in fns}
     for order in rotations(fns, rounds):
         for name in order:
             if setup:
                 setup(name)
+            if sync:
+                sync()
             t0 = time.perf_counter()
             fns[name]()
+            if sync:
+                sync()
             samples[name].append(time.perf_counter() - t0)
+    return samples
+
+
+def interleaved_events(fns: dict, rounds: int, warmup: int = 1, calls: int = 1) -> dict:
+    """CUDA only: device seconds per call of each fn (CUDA events around ``calls`` calls per
+    sample), interleaved over ``rounds`` in rotating order after ``warmup`` samples each.
+    Returns name -> list of per-call seconds (one per round)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def sample(fn) -> float:
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / calls
+
+    for fn in fns.values():
+        for _ in range(warmup):
+            sample(fn)
+    samples = {name: [] for name in fns}
+    for order in rotations(fns, rounds):
+        for name in order:
+            samples[name].append(sample(fns[name]))
     return samples
 
 
@@ -112,3 +150,85 @@ def status_kb(field: str) -> int | None:
     except OSError:
         pass
     return None
+
+
+# -- devices --------------------------------------------------------------------------------
+def device_of(opts) -> torch.device:
+    """The device the suites measure on: ``--device`` (cpu unless asked)."""
+    return torch.device(getattr(opts, "device", None) or "cpu")
+
+
+def amp_dtype(device: torch.device) -> torch.dtype:
+    """The autocast dtype the suites use: bfloat16 on CPU, float16 (the GPU default) on CUDA."""
+    return torch.float16 if device.type == "cuda" else torch.bfloat16
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype, str(dtype))
+
+
+def synchronizer(device: torch.device):
+    """``torch.cuda.synchronize`` on CUDA, None (nothing to wait for) on CPU."""
+    return torch.cuda.synchronize if device.type == "cuda" else None
+
+
+def free_device_memory(device: torch.device) -> None:
+    """After a model's tensors are dropped (``del``): collect cycles and, on CUDA, hand the
+    caching allocator's free blocks back, so the next model starts from an empty cache."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def failure(e: BaseException) -> str:
+    """A one-line ``failed: Type: first line`` for a table cell."""
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"failed: {type(e).__name__}: {first[:160]}"
+
+
+class Tf32Off:
+    """``with Tf32Off():`` float32 matmuls and convolutions in true fp32 (no TF32 on the
+    matrix units): ``torch.backends.cuda.matmul.allow_tf32`` and ``cudnn.allow_tf32`` off,
+    restored on exit."""
+
+    def __enter__(self):
+        self.saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        return self
+
+    def __exit__(self, *exc):
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.saved
+        return False
+
+
+def run_children(cmds: dict, concurrent: bool = False, timeout: float = 600) -> dict:
+    """Runs each command (``name -> argv``) from the repository root; returns ``name ->
+    (returncode, stdout, stderr)``. ``concurrent``: all at once (for CUDA peak-memory
+    children: each reads its own ``max_memory_allocated``, which the others cannot change)."""
+    if not concurrent:
+        out = {}
+        for name, cmd in cmds.items():
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+            out[name] = (res.returncode, res.stdout, res.stderr)
+        return out
+    procs = {name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+             for name, cmd in cmds.items()}
+    out = {}
+    for name, p in procs.items():
+        try:
+            stdout, stderr = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            stdout, stderr = p.communicate()
+            stderr += f"\ntimed out after {timeout:.0f} s"
+        out[name] = (p.returncode, stdout, stderr)
+    return out
+
+
+def gpu_memory_gib() -> float:
+    """The current CUDA device's memory in GiB (0 without CUDA)."""
+    if not torch.cuda.is_available():
+        return 0.0
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30

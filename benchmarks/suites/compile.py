@@ -8,13 +8,25 @@ with ``--quick``). Reported: ms per step, ours-compiled / native-compiled (media
 per-round ratios) and compile time ours / native (the first compiled step of each, from a
 reset Dynamo cache with inductor's caches off, each measured twice in the order A B B A). Targets: compiled ratio <= 1.02, compile time ratio <= 1.2.
 ``--quick`` sizes are a smoke test of the suite, not a measurement.
+
+With ``--device cuda``: the train-step suite's CUDA models (GPT-2 small, ResNet-50
+channels_last, the 2-layer LSTM, the same MLP), float16, each sample synchronized (MLP 10,
+LSTM 2 steps per sample), cuDNN benchmark mode off. To fit the GPU run's time budget each
+compiled configuration compiles once: its first call, timed, is the compile time, and that
+same compiled step is then timed interleaved with the others (no Dynamo reset between).
+Inductor's caches stay on, so whichever of the two compiles second may reuse what the
+first wrote (the graphs can be the same); the "first" column says which went first (it
+alternates between models), and there is no compile-time verdict on CUDA. Target on CUDA:
+compiled ratio <= 1.01, eager ratio <= 1.03 (1.10 for the MLP), as the train-step suite.
 """
 
 from __future__ import annotations
 
 import copy
 import statistics
+import sys
 import time
+import traceback
 
 import torch
 import torch._dynamo
@@ -22,10 +34,12 @@ import torch._dynamo
 import dispatch_amp
 
 from . import train_step
-from .common import Table, interleaved, ratio_stats, verdict
+from .common import (Table, amp_dtype, device_of, failure, free_device_memory, interleaved, ratio_stats,
+                     synchronizer, verdict)
 
 NAME = "compile"
 COMPILED_TARGET = 1.02
+CUDA_COMPILED_TARGET = 1.01
 COMPILE_TIME_TARGET = 1.2
 CONFIGS = ("native eager", "native compiled", "ours eager", "ours compiled")
 
@@ -33,16 +47,17 @@ CONFIGS = ("native eager", "native compiled", "ours eager", "ours compiled")
 MODELS = train_step.MODELS
 
 
-def _region(config: str):
+def _region(config: str, device: torch.device = torch.device("cpu")):
+    dtype = amp_dtype(device)
     if config.startswith("native"):
-        return lambda: torch.autocast("cpu", dtype=torch.bfloat16)
-    return lambda: dispatch_amp.autocast("cpu", dtype=torch.bfloat16)
+        return lambda: torch.autocast(device.type, dtype=dtype)
+    return lambda: dispatch_amp.autocast(device.type, dtype=dtype)
 
 
-def _make_step(model, batch, config: str, backend: str):
+def _make_step(model, batch, config: str, backend: str, device: torch.device = torch.device("cpu")):
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     loss_fn = torch.compile(model.loss, backend=backend) if config.endswith("compiled") else model.loss
-    region = _region(config)
+    region = _region(config, device)
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -97,13 +112,112 @@ def _time_model(name: str, quick: bool, rounds: int, backend: str) -> dict:
     }
 
 
-def _warm_up(backend: str) -> None:
+def _time_model_cuda(name: str, index: int, quick: bool, rounds: int, backend: str) -> dict:
+    """CUDA: each compiled configuration compiles once, in its first (timed) call, and that
+    compiled step is then timed with the others."""
+    device = torch.device("cuda")
+    desc, base, batch = train_step.case(name, quick, device)
+    base.train()
+    torch._dynamo.reset()
+    steps = {c: _make_step(copy.deepcopy(base), batch, c, backend, device) for c in CONFIGS}
+    del base
+    order = ("native compiled", "ours compiled")
+    if index % 2:
+        order = order[::-1]
+    compile_s = {}
+    for config in order:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        steps[config]()
+        torch.cuda.synchronize()
+        compile_s[config] = time.perf_counter() - t0
+    k = 1 if quick else train_step.CUDA_STEPS_PER_SAMPLE[name]
+    fns = {c: train_step._repeat(f, k) for c, f in steps.items()}
+    s = interleaved(fns, rounds, warmup=2, sync=torch.cuda.synchronize)
+    s = {c: [t / k for t in v] for c, v in s.items()}
+    ms = {c: statistics.median(v) * 1e3 for c, v in s.items()}
+    compiled = ratio_stats(s["ours compiled"], s["native compiled"])
+    eager = ratio_stats(s["ours eager"], s["native eager"])
+    eager_target = train_step.TIME_TARGETS.get(name, train_step.TIME_TARGET)
+    del steps, fns
+    return {
+        "model": desc, "backend": backend, "rounds": rounds,
+        **{f"{c.replace(' ', '_')}_ms": ms[c] for c in CONFIGS},
+        "ours/native eager": eager["ratio"], "eager_target": f"<= {eager_target:.2f}",
+        "eager_met": verdict(eager["ratio"], eager_target),
+        "ours/native compiled": compiled["ratio"],
+        "compiled_min": compiled["ratio_min"], "compiled_max": compiled["ratio_max"],
+        "compiled_target": f"<= {CUDA_COMPILED_TARGET:.2f}",
+        "compiled_met": verdict(compiled["ratio"], CUDA_COMPILED_TARGET),
+        "native_compile_s": compile_s["native compiled"], "ours_compile_s": compile_s["ours compiled"],
+        "compile_time_ratio": compile_s["ours compiled"] / compile_s["native compiled"],
+        "first": order[0].split()[0],
+    }
+
+
+def _run_cuda(opts):
+    device = torch.device("cuda")
+    rounds = 3 if opts.quick else 11
+    backend = "aot_eager" if opts.quick else "inductor"
+    _warm_up(backend, device)
+    title = (f"compile: ms per training step (CUDA fp16, SGD), torch.compile backend {backend}, "
+             f"{rounds} interleaved rounds, each sample synchronized")
+    if opts.quick:
+        title += " (quick sizes: a smoke test, not a measurement)"
+    table = Table(title, [
+        ("model", "model", "{}"),
+        ("native_eager_ms", "native eager", "{:.2f}"),
+        ("ours_eager_ms", "ours eager", "{:.2f}"),
+        ("ours/native eager", "ours/native eager", "{:.3f}"),
+        ("eager_target", "target", "{}"),
+        ("eager_met", "met?", "{}"),
+        ("native_compiled_ms", "native compiled", "{:.2f}"),
+        ("ours_compiled_ms", "ours compiled", "{:.2f}"),
+        ("ours/native compiled", "ours/native compiled", "{:.3f}"),
+        ("compiled_min", "min", "{:.3f}"),
+        ("compiled_max", "max", "{:.3f}"),
+        ("compiled_target", "target", "{}"),
+        ("compiled_met", "met?", "{}"),
+        ("native_compile_s", "native first call s", "{:.1f}"),
+        ("ours_compile_s", "ours first call s", "{:.1f}"),
+        ("first", "compiled first", "{}"),
+    ], note="First call = compilation (caches on: the second of the two may reuse the first's cached graph, "
+            "so no compile-time verdict). Compiled: torch.compile of the loss function; backward and SGD eager. "
+            "MLP 10 and LSTM 2 steps per sample.")
+    benchmark_mode = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = False  # as the train-step suite: heuristics, no autotuning time
+    try:
+        for i, name in enumerate(MODELS):
+            t0 = time.perf_counter()
+            try:
+                row = _time_model_cuda(name, i, opts.quick, rounds, backend)
+            except Exception as e:  # noqa: BLE001 - one model failing leaves the others' rows
+                traceback.print_exc(file=sys.stdout)
+                row = {"model": train_step.CUDA_DESCRIPTIONS.get(name, name), "native_eager_ms": failure(e)}
+            torch._dynamo.reset()
+            free_device_memory(device)
+            table.rows.append(row)
+            got = row.get("ours/native compiled")
+            print(f"(compile: {name} in {time.perf_counter() - t0:.1f} s"
+                  + (f": ours/native eager {row['ours/native eager']:.3f}, compiled {got:.3f})" if got else ")"),
+                  flush=True)
+    finally:
+        torch.backends.cudnn.benchmark = benchmark_mode
+    return [table]
+
+
+def _warm_up(backend: str, device: torch.device = torch.device("cpu")) -> None:
     """One throwaway compilation: the first in a process also pays for loading the compiler."""
     torch._dynamo.reset()
-    torch.compile(lambda x: (x * 2).sum(), backend=backend)(torch.ones(4))
+    torch.compile(lambda x: (x * 2).sum(), backend=backend)(torch.ones(4, device=device))
+    sync = synchronizer(device)
+    if sync:
+        sync()
 
 
 def run(opts) -> list[Table]:
+    if device_of(opts).type == "cuda":
+        return _run_cuda(opts)
     rounds = 3 if opts.quick else 21
     backend = "aot_eager" if opts.quick else "inductor"
     _warm_up(backend)

@@ -4,6 +4,10 @@ A loop of one tiny op (``x.add(y)``, ``torch.mm`` on 8x8, ``x.view(64)``) is tim
 no autocast, with native ``torch.autocast`` and with ours, interleaved; the extra cost per
 op is the distribution over repeats of (ours - native) per round, in microseconds.
 Target: median extra <= 5 us per op.
+
+With ``--device cuda`` the tensors are on the GPU and the regions float16 on "cuda"; each
+repeat ends with ``torch.cuda.synchronize()`` inside its clock, so the time per op is the
+rate at which the host issues and the GPU completes them (host-bound for these sizes).
 """
 
 from __future__ import annotations
@@ -16,50 +20,57 @@ import torch
 
 import dispatch_amp
 
-from .common import Table, quantile, rotations, verdict
+from .common import Table, amp_dtype, device_of, dtype_name, quantile, rotations, synchronizer, verdict
 
 NAME = "dispatch-overhead"
 TARGET_US = 5.0
 MODES = ("fp32", "native", "ours")
 
 
-def _context(mode: str):
+def _context(mode: str, device: torch.device = torch.device("cpu")):
     if mode == "native":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
+        return torch.autocast(device.type, dtype=amp_dtype(device))
     if mode == "ours":
-        return dispatch_amp.autocast("cpu", dtype=torch.bfloat16)
+        return dispatch_amp.autocast(device.type, dtype=amp_dtype(device))
     return contextlib.nullcontext()
 
 
-def _ops():
-    x, y = torch.randn(8, 8), torch.randn(8, 8)
+def _ops(device: torch.device = torch.device("cpu")):
+    x, y = torch.randn(8, 8).to(device), torch.randn(8, 8).to(device)
     return {"x.add(y)": lambda: x.add(y), "torch.mm 8x8": lambda: torch.mm(x, y), "x.view(64)": lambda: x.view(64)}
 
 
-def _per_op_us(fn, mode: str, iters: int) -> float:
-    with _context(mode):
+def _per_op_us(fn, mode: str, iters: int, device: torch.device = torch.device("cpu")) -> float:
+    sync = synchronizer(device)
+    with _context(mode, device):
+        if sync:
+            sync()
         t0 = time.perf_counter()
         for _ in range(iters):
             fn()
+        if sync:
+            sync()
         return (time.perf_counter() - t0) / iters * 1e6
 
 
 def run(opts) -> list[Table]:
-    iters, repeats = (1000, 5) if opts.quick else (5000, 21)
+    device = device_of(opts)
+    iters, repeats = (1000, 5) if opts.quick else ((2000, 21) if device.type == "cuda" else (5000, 21))
+    where = f"{'CUDA' if device.type == 'cuda' else 'CPU'} {dtype_name(amp_dtype(device))}"
     table = Table(
-        f"dispatch-overhead: us per tiny op (CPU bf16); ours - native over {repeats} interleaved repeats of {iters} ops",
+        f"dispatch-overhead: us per tiny op ({where}); ours - native over {repeats} interleaved repeats of {iters} ops",
         [("op", "op", "{}"), ("fp32_us", "no autocast", "{:.2f}"), ("native_us", "native", "{:.2f}"),
          ("ours_us", "ours", "{:.2f}"), ("extra_median_us", "ours-native median", "{:+.2f}"),
          ("extra_p10_us", "p10", "{:+.2f}"), ("extra_p90_us", "p90", "{:+.2f}"),
          ("target", "target", "{}"), ("met", "met?", "{}")],
     )
-    for name, fn in _ops().items():
+    for name, fn in _ops(device).items():
         for mode in MODES:  # warm-up: memos, caches
-            _per_op_us(fn, mode, max(50, iters // 10))
+            _per_op_us(fn, mode, max(50, iters // 10), device)
         samples = {m: [] for m in MODES}
         for order in rotations(MODES, repeats):
             for mode in order:
-                samples[mode].append(_per_op_us(fn, mode, iters))
+                samples[mode].append(_per_op_us(fn, mode, iters, device))
         extra = [o - n for o, n in zip(samples["ours"], samples["native"])]
         med = statistics.median(extra)
         table.rows.append({

@@ -34,9 +34,16 @@ mode, ``max|fp8 - bf16| / max|bf16|`` per tensor (for gradients the worst tensor
 whether all of them are finite. DelayedScaling is primed by one call on the same inputs
 first: its first call casts with scale 1, by design.
 
-On CPU (no CUDA) fp8 gemms have no speed advantage (no fp8 matrix units): the suite checks
+On CPU fp8 gemms have no speed advantage (no fp8 matrix units): the suite checks
 correctness only, at small sizes, and its timing and memory columns say so. ``--quick`` uses tiny sizes everywhere (every gemm
 dimension a multiple of 16): a smoke test, not a measurement.
+
+Device: ``--device`` of the runner (cpu unless ``--device cuda``). The whole GPU run has a
+time budget of about six minutes, compilation included, so on CUDA the GPT has 2 blocks
+of the shape above (d_model 2048, 8 x 2048 tokens: every gemm as in the 16-block model;
+``GPT_LAYERS_CUDA``), 9 rounds x 1 step, and the linear 11 rounds x 5 calls; the three
+peak-memory processes run at the same time on a GPU of 40 GiB or more (each reads its own
+``max_memory_allocated``).
 """
 
 from __future__ import annotations
@@ -44,7 +51,6 @@ from __future__ import annotations
 import copy
 import json
 import statistics
-import subprocess
 import sys
 from dataclasses import dataclass
 
@@ -56,7 +62,8 @@ from torch import nn
 import dispatch_amp
 from dispatch_amp import fp8
 
-from .common import REPO, Table, interleaved, ratio_stats, verdict
+from .common import (Table, device_of, free_device_memory, gpu_memory_gib, interleaved, ratio_stats, run_children,
+                     verdict)
 
 NAME = "fp8"
 LINEAR_TARGET = 1.25  # eager fp8 current speedup over bf16
@@ -68,6 +75,10 @@ GPT_CONFIGS = ("bf16", "fp8 current", "fp8 delayed")
 MODES = ("eager", "compiled")
 NOT_TIMED = "not timed on CPU (correctness only)"
 NOT_MEASURED = "not measured on CPU (correctness only)"
+# The GPT's blocks on CUDA: 16 gave ~0.94B parameters and several minutes of compilation
+# per configuration; 2 keep every gemm shape and fit the GPU run's time budget (4 took
+# 150 s for the whole suite on an H100, caches cold).
+GPT_LAYERS_CUDA = 2
 
 
 # -- configurations -------------------------------------------------------------------------
@@ -175,7 +186,7 @@ def _torchao_module(lin: nn.Linear):
 
 def _linear_tables(device: torch.device, quick: bool, backend: str, timed: bool) -> list[Table]:
     m, k, n = _linear_dims(device, quick)
-    rounds, iters = (3, 2) if quick else (21, 10)
+    rounds, iters = (3, 2) if quick else ((11, 5) if device.type == "cuda" else (21, 10))
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(m, k, generator=gen).to(device, torch.bfloat16).requires_grad_()
     dy = torch.randn(m, n, generator=gen).to(device, torch.bfloat16)
@@ -297,8 +308,8 @@ class GPTSize:
 def _gpt_size(device: torch.device, quick: bool) -> GPTSize:
     if quick:
         return GPTSize(vocab=256, d_model=64, layers=2, heads=4, seq=32, batch=2)
-    if device.type == "cuda":  # ~0.94B parameters; with AdamW about half of an 80 GB GPU
-        return GPTSize(vocab=32000, d_model=2048, layers=16, heads=16, seq=2048, batch=8)
+    if device.type == "cuda":  # 16 layers: ~0.94B parameters, with AdamW about half of an 80 GB GPU
+        return GPTSize(vocab=32000, d_model=2048, layers=GPT_LAYERS_CUDA, heads=16, seq=2048, batch=8)
     return GPTSize(vocab=2048, d_model=256, layers=2, heads=4, seq=128, batch=4)
 
 
@@ -381,7 +392,7 @@ def _train_step(model, opt, loss_fn, region, batch):
 
 def _gpt_table(device: torch.device, quick: bool, backend: str, timed: bool) -> Table:
     size = _gpt_size(device, quick)
-    rounds, iters = (3, 1) if quick else (11, 2)
+    rounds, iters = (3, 1) if quick else ((9, 1) if device.type == "cuda" else (11, 2))
     model, batch = _gpt_case(size, device)
     opt = _optimizer(model, device)
 
@@ -457,7 +468,7 @@ def _memory_table(device: torch.device, quick: bool) -> Table:
         ("config", "config", "{}"), ("peak_gb", "peak GB", "{:.2f}"), ("ratio", "fp8/bf16 peak", "{:.3f}"),
         ("target", "target", "{}"), ("met", "met?", "{}"),
     ], note="peak includes weights, gradients and AdamW states (GB = 2**30 bytes).")
-    peaks = {c: _child_peak(c, quick) for c in GPT_CONFIGS} if device.type == "cuda" else None
+    peaks = _child_peaks(quick) if device.type == "cuda" else None
     for config in GPT_CONFIGS:
         row = {"config": config}
         if config != "bf16":
@@ -475,24 +486,30 @@ def _memory_table(device: torch.device, quick: bool) -> Table:
     return table
 
 
-def _child_peak(config: str, quick: bool) -> int | str:
-    """Peak bytes of ``config`` in its own process, or why that process failed."""
-    cmd = [sys.executable, "-m", "benchmarks.run", "--child", NAME, "gpt-memory", config] + (["--quick"] if quick else [])
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
-    if res.returncode != 0:
-        last = (res.stderr.strip().splitlines() or [f"exit status {res.returncode}"])[-1]
-        return f"failed: {last[:200]}"
-    return json.loads(res.stdout.strip().splitlines()[-1])["peak_bytes"]
+def _child_peaks(quick: bool) -> dict:
+    """Config -> peak bytes of that configuration in its own process, or why that process
+    failed. At the same time on a GPU of 40 GiB or more (2-block GPT: ~11 GiB each on an H100)."""
+    cmds = {c: [sys.executable, "-m", "benchmarks.run", "--child", NAME, "gpt-memory", c, "--device", "cuda"]
+            + (["--quick"] if quick else []) for c in GPT_CONFIGS}
+    concurrent = gpu_memory_gib() >= 40 and (quick or GPT_LAYERS_CUDA <= 4)
+    out = {}
+    for config, (rc, stdout, stderr) in run_children(cmds, concurrent=concurrent).items():
+        if rc != 0:
+            last = (stderr.strip().splitlines() or [f"exit status {rc}"])[-1]
+            out[config] = f"failed: {last[:200]}"
+        else:
+            out[config] = json.loads(stdout.strip().splitlines()[-1])["peak_bytes"]
+    return out
 
 
-def child(args: list[str], quick: bool) -> None:
+def child(args: list[str], opts) -> None:
     """``run.py --child fp8 gpt-memory CONFIG``: print the peak CUDA memory of two eager
     GPT training steps (after a warm-up step) as JSON."""
     what, config = args
     if what != "gpt-memory":
         raise ValueError(f"unknown child task {what!r}")
     device = torch.device("cuda")
-    size = _gpt_size(device, quick)
+    size = _gpt_size(device, opts.quick)
     model, batch = _gpt_case(size, device)
     step = _train_step(model, _optimizer(model, device), model.loss, _region(device, _recipe(config, model)), batch)
     step()  # AdamW states, allocator warm-up
@@ -504,17 +521,18 @@ def child(args: list[str], quick: bool) -> None:
     print(json.dumps({"peak_bytes": torch.cuda.max_memory_allocated()}))
 
 
-def run(opts) -> list[Table]:
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def run(opts):
+    """Yields the linear tables, the GPT table and the memory table (measured first, while
+    this process holds no GPU memory: the children then have the whole GPU)."""
+    device = device_of(opts)
     backend = "aot_eager" if opts.quick else "inductor"
     timed = device.type == "cuda"  # on CPU fp8 has nothing to gain: correctness only
-    # First, while this process holds no GPU memory: the children then have the whole GPU.
     memory = _memory_table(device, opts.quick)
     torch._dynamo.reset()
-    tables = _linear_tables(device, opts.quick, backend, timed)
+    yield from _linear_tables(device, opts.quick, backend, timed)
     torch._dynamo.reset()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    tables.append(_gpt_table(device, opts.quick, backend, timed))
+    free_device_memory(device)
+    yield _gpt_table(device, opts.quick, backend, timed)
     torch._dynamo.reset()
-    return tables + [memory]
+    free_device_memory(device)
+    yield memory

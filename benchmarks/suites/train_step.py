@@ -12,6 +12,19 @@ and reports the peak RSS (``VmHWM``) and the growth over the RSS before the step
 Models: the overhead-bound MLP (24 small layers: per-call cost dominates), a GPT, a CNN
 and an LSTM tagger. Targets: time ours/native <= 1.03 per model (1.10 for the MLP, where
 a Python-level autocast pays the most); peak memory ours/native <= 1.00.
+
+With ``--device cuda``: float16 (the GPU's autocast default) and the scalers on "cuda";
+the GPT is GPT-2 small's shape (124M parameters, head tied to the embedding, 8 x 1024
+tokens), the CNN a ResNet-50 (channels_last, batch 128 at 224 x 224; cuDNN's heuristics,
+benchmark mode off: its autotuning took half a minute of the GPU run's time budget), the
+LSTM 2 layers of 1024; the MLP is the same overhead-bound model. Each sample
+is one or more steps between ``torch.cuda.synchronize()`` calls; fp32 runs in true fp32
+(TF32 off for matmuls and cuDNN). Peak memory is ``torch.cuda.max_memory_allocated`` over
+3 steps after a warm-up step and ``reset_peak_memory_stats``, one process per
+configuration and model, all at the same time on a GPU of 40 GiB or more (each process
+reads its own ``max_memory_allocated``, which the others cannot change). A
+further table, the headline, gives the fp32 / mixed-precision (with GradScaler) speedup
+of the ResNet-50 and the GPT: the median of per-round ratios from the same samples.
 """
 
 from __future__ import annotations
@@ -21,8 +34,9 @@ import copy
 import json
 import resource
 import statistics
-import subprocess
 import sys
+import time
+import traceback
 import warnings
 
 import torch
@@ -30,11 +44,15 @@ import torch
 import dispatch_amp
 from benchmarks import models as M
 
-from .common import REPO, Table, interleaved, ratio_stats, status_kb, verdict
+from .common import (Table, Tf32Off, amp_dtype, device_of, failure, free_device_memory, gpu_memory_gib,
+                     interleaved, ratio_stats, run_children, status_kb, verdict)
 
 # The scaler rows time the scaler's bookkeeping on bf16, where no scaler is needed; ours
 # says so once per scaler (AmpNumericsWarning), which is not news here.
 warnings.filterwarnings("ignore", category=dispatch_amp.AmpNumericsWarning)
+# cuDNN's LSTM under autocast (native and ours alike) gets cast weights, not the module's
+# flattened buffer, and says so on every call site; not news here either.
+warnings.filterwarnings("ignore", message="RNN module weights are not part of single contiguous chunk")
 
 NAME = "train-step"
 TIME_TARGET = 1.03
@@ -43,8 +61,11 @@ MEMORY_TARGET = 1.00
 CONFIGS = ("fp32", "native", "ours", "native+scaler", "ours+scaler")
 
 
-def case(model: str, quick: bool):
-    """(description, module, batch) for "mlp", "gpt", "cnn" or "lstm"; quick sizes are tiny."""
+def case(model: str, quick: bool, device: torch.device | str = "cpu"):
+    """(description, module, batch) for "mlp", "gpt", "cnn" or "lstm"; quick sizes are tiny.
+    On CUDA the module and batch are on the GPU, sized for an H100 (``cuda_case``)."""
+    if torch.device(device).type == "cuda":
+        return cuda_case(model, quick)
     if model == "mlp":
         depth = 4 if quick else 24
         torch.manual_seed(3)
@@ -71,22 +92,68 @@ def case(model: str, quick: bool):
     raise ValueError(f"unknown model {model!r}")
 
 
+def cuda_case(model: str, quick: bool):
+    """(description, module, batch) on the GPU, sized for an H100; quick sizes are tiny."""
+    dev = torch.device("cuda")
+    if model == "mlp":  # the same overhead-bound model as on CPU: per-call cost dominates
+        depth = 4 if quick else 24
+        torch.manual_seed(3)
+        x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
+        return (f"MLP {depth} x (Linear 64 + SiLU + residual), batch 16", M.ResidualMLP(depth=depth).to(dev),
+                (x.to(dev), y.to(dev)))
+    if model == "gpt":
+        if quick:
+            cfg, b, t = M.GPTConfig(vocab=512, d_model=64, n_heads=2, n_blocks=2, max_len=32), 4, 32
+        else:  # GPT-2 small: vocab padded to a multiple of 64 (50257 -> 50304), as nanoGPT does
+            cfg, b, t = M.GPTConfig(vocab=50304, d_model=768, n_heads=12, n_blocks=12, max_len=1024), 8, 1024
+        torch.manual_seed(0)
+        gpt = M.GPT(cfg)
+        gpt.head.weight = gpt.tok.weight  # tied, as GPT-2 (deepcopy keeps the tie)
+        n = sum(p.numel() for p in gpt.parameters())
+        desc = (f"GPT{'' if quick else '-2 small'} {n / 1e6:.0f}M params (vocab {cfg.vocab}, d {cfg.d_model}, "
+                f"{cfg.n_heads} heads, {cfg.n_blocks} blocks, tied head), {b}x{t} tok")
+        idx, tgt = M.gpt_batch(cfg, b, t, generator=torch.Generator().manual_seed(1))
+        return desc, gpt.to(dev), (idx.to(dev), tgt.to(dev))
+    if model == "cnn":
+        b, size = (4, 32) if quick else (128, 224)
+        torch.manual_seed(1)
+        net = M.ResNet(blocks=(1, 1, 1, 1), width=8, classes=10) if quick else M.ResNet()
+        x = torch.randn(b, 3, size, size).to(dev, memory_format=torch.channels_last)
+        y = torch.randint(0, 10 if quick else 1000, (b,)).to(dev)
+        name = "ResNet (1,1,1,1) width 8" if quick else "ResNet-50 25.6M params"
+        return f"{name}, channels_last, batch {b} at {size}x{size}", net.to(dev, memory_format=torch.channels_last), (x, y)
+    if model == "lstm":
+        vocab, emb, hidden, layers, b, t = (500, 32, 64, 1, 4, 16) if quick else (10000, 512, 1024, 2, 64, 256)
+        torch.manual_seed(2)
+        idx, tags = torch.randint(0, vocab, (b, t)), torch.randint(0, 20, (b, t))
+        net = M.RNNTagger(vocab, emb, hidden, 20, "lstm", layers=layers)
+        return (f"LSTM tagger emb {emb}, hidden {hidden}, {layers} layer{'s' if layers > 1 else ''}, {b}x{t} tok",
+                net.to(dev), (idx.to(dev), tags.to(dev)))
+    raise ValueError(f"unknown model {model!r}")
+
+
 MODELS = ("mlp", "gpt", "cnn", "lstm")
+# CUDA: steps per timed sample, so that a sample of a small model is not one step's
+# launch latency and synchronization alone.
+CUDA_STEPS_PER_SAMPLE = {"mlp": 10, "lstm": 2, "gpt": 1, "cnn": 1}
 
 
-def make_step(model, batch, config: str):
-    """A closure running one training step of ``model`` under ``config``."""
+def make_step(model, batch, config: str, device: torch.device | str = "cpu"):
+    """A closure running one training step of ``model`` under ``config`` on ``device``
+    (bfloat16 on CPU, float16 on CUDA)."""
+    device = torch.device(device)
+    dtype = amp_dtype(device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     amp_mode, _, scaled = config.partition("+")
     if amp_mode == "native":
-        ctx = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+        ctx = lambda: torch.autocast(device.type, dtype=dtype)  # noqa: E731
     elif amp_mode == "ours":
-        ctx = lambda: dispatch_amp.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+        ctx = lambda: dispatch_amp.autocast(device.type, dtype=dtype)  # noqa: E731
     else:
         ctx = contextlib.nullcontext
     scaler = None
     if scaled:
-        scaler = torch.amp.GradScaler("cpu") if amp_mode == "native" else dispatch_amp.GradScaler("cpu")
+        scaler = torch.amp.GradScaler(device.type) if amp_mode == "native" else dispatch_amp.GradScaler(device.type)
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -103,11 +170,25 @@ def make_step(model, batch, config: str):
     return step
 
 
-def _time_model(name: str, quick: bool, rounds: int) -> list[dict]:
-    desc, base, batch = case(name, quick)
+def _repeat(fn, k: int):
+    if k == 1:
+        return fn
+    return lambda: [fn() for _ in range(k)]
+
+
+def _time_model(name: str, quick: bool, rounds: int, device: torch.device | None = None) -> tuple[list[dict], dict | None]:
+    """Timing rows of ``name`` (plain and GradScaler loops), and on CUDA its headline row
+    (fp32 / mixed-precision speedups) for the ResNet-50 and the GPT, else None."""
+    device = device or torch.device("cpu")
+    desc, base, batch = case(name, quick, device)
     base.train()
-    steps = {c: make_step(copy.deepcopy(base), batch, c) for c in CONFIGS}
-    s = interleaved(steps, rounds, warmup=2)
+    steps = {c: make_step(copy.deepcopy(base), batch, c, device) for c in CONFIGS}
+    if device.type == "cuda":
+        k = 1 if quick else CUDA_STEPS_PER_SAMPLE[name]
+        s = interleaved({c: _repeat(f, k) for c, f in steps.items()}, rounds, warmup=2, sync=torch.cuda.synchronize)
+        s = {c: [t / k for t in v] for c, v in s.items()}
+    else:
+        s = interleaved(steps, rounds, warmup=2)
     ms = {c: statistics.median(v) * 1e3 for c, v in s.items()}
     rows = []
     target = TIME_TARGETS.get(name, TIME_TARGET)
@@ -118,23 +199,65 @@ def _time_model(name: str, quick: bool, rounds: int) -> list[dict]:
             "fp32_ms": ms["fp32"] if loop == "plain" else None, "native_ms": ms[nat], "ours_ms": ms[ours],
             **st, "target": f"<= {target:.2f}", "met": verdict(st["ratio"], target),
         })
-    return rows
+    headline = None
+    if device.type == "cuda" and name in HEADLINE_MODELS:
+        nat, ours = ratio_stats(s["fp32"], s["native+scaler"]), ratio_stats(s["fp32"], s["ours+scaler"])
+        headline = {
+            "model": desc, "rounds": rounds, "fp32_ms": ms["fp32"], "native_ms": ms["native+scaler"],
+            "ours_ms": ms["ours+scaler"], "native_speedup": nat["ratio"], "ours_speedup": ours["ratio"],
+            "native_speedup_min": nat["ratio_min"], "native_speedup_max": nat["ratio_max"],
+            "ours_speedup_min": ours["ratio_min"], "ours_speedup_max": ours["ratio_max"],
+            "ours/native": ratio_stats(s["ours+scaler"], s["native+scaler"])["ratio"],
+        }
+    return rows, headline
 
 
-def _memory(name: str, quick: bool) -> dict:
-    out = {}
-    for config in ("native", "ours"):
-        cmd = [sys.executable, "-m", "benchmarks.run", "--child", NAME, name, config] + (["--quick"] if quick else [])
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
-        if res.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-3000:]}")
-        out[config] = json.loads(res.stdout.strip().splitlines()[-1])
-    return out
+HEADLINE_MODELS = ("cnn", "gpt")
 
 
-def child(args: list[str], quick: bool) -> None:
-    """``run.py --child train-step MODEL CONFIG``: print peak memory of three steps as JSON."""
+def _memory_cmd(name: str, config: str, quick: bool, device: torch.device) -> list[str]:
+    return ([sys.executable, "-m", "benchmarks.run", "--child", NAME, name, config]
+            + (["--quick"] if quick else []) + (["--device", "cuda"] if device.type == "cuda" else []))
+
+
+def _parse_child(cmd, rc: int, stdout: str, stderr: str) -> dict:
+    if rc != 0:
+        last = (stderr.strip().splitlines() or [f"exit status {rc}"])[-1]
+        raise RuntimeError(f"{cmd[-1] if cmd[-1] != '--quick' else cmd[-2]} process: {last[:200]}\n"
+                           f"{' '.join(cmd)} failed:\n{stderr[-3000:]}")
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def _memory(name: str, quick: bool, device: torch.device | None = None) -> dict:
+    """Peak memory of native and ours, each in its own process. On CUDA the two processes
+    run at the same time (each reads its own ``max_memory_allocated``, which the other
+    cannot change), on CPU one after the other (as before: RSS, and a quiet machine)."""
+    device = device or torch.device("cpu")
+    cmds = {config: _memory_cmd(name, config, quick, device) for config in ("native", "ours")}
+    results = run_children(cmds, concurrent=device.type == "cuda" and gpu_memory_gib() >= 40)
+    return {config: _parse_child(cmds[config], *results[config]) for config in cmds}
+
+
+def child(args: list[str], opts) -> None:
+    """``run.py --child train-step MODEL CONFIG [--device cuda]``: print peak memory of three
+    steps as JSON."""
     name, config = args
+    quick = opts.quick
+    device = device_of(opts)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = False  # heuristics, not timings: both processes pick the same algorithms
+        _, model, batch = case(name, quick, device)
+        step = make_step(model.train(), batch, config, device)
+        step()  # optimizer state, scaler state, caches, cuBLAS/cuDNN workspaces
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        print(json.dumps({"peak_mb": torch.cuda.max_memory_allocated() / 2**20, "before_mb": before / 2**20,
+                          "vmhwm_reset": None}))
+        return
     _, model, batch = case(name, quick)
     step = make_step(model.train(), batch, config)
     step()  # optimizer state, scaler state, caches
@@ -154,36 +277,131 @@ def child(args: list[str], quick: bool) -> None:
                       "ru_maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "vmhwm_reset": reset}))
 
 
-def run(opts) -> list[Table]:
-    # 41 rounds: with 21 the per-round ratios of a 2-core shared machine moved the median
-    # by up to 0.03 between runs, as much as the margins being measured.
-    rounds = 3 if opts.quick else 41
-    timing = Table(
-        f"train-step: ms/step (CPU bf16, SGD), median of {rounds} interleaved rounds; ratio = median per-round ours/native",
+def _timing_table(rounds: int, device: torch.device) -> Table:
+    if device.type == "cuda":
+        what = "CUDA fp16, SGD; fp32 = TF32 off"
+    else:
+        what = "CPU bf16, SGD"
+    return Table(
+        f"train-step: ms/step ({what}), median of {rounds} interleaved rounds; ratio = median per-round ours/native",
         [("model", "model", "{}"), ("loop", "loop", "{}"), ("fp32_ms", "fp32", "{:.1f}"),
          ("native_ms", "native", "{:.1f}"), ("ours_ms", "ours", "{:.1f}"), ("ratio", "ours/native", "{:.3f}"),
          ("ratio_min", "min", "{:.3f}"), ("ratio_max", "max", "{:.3f}"), ("target", "target", "{}"), ("met", "met?", "{}")],
-        note="GradScaler rows: native autocast + torch.amp.GradScaler vs ours + dispatch_amp.GradScaler.",
+        note="GradScaler rows: native autocast + torch.amp.GradScaler vs ours + dispatch_amp.GradScaler."
+             + (" CUDA: each sample synchronized (torch.cuda.synchronize) before and after; MLP 10 and LSTM 2 "
+                "steps per sample." if device.type == "cuda" else ""),
     )
-    for name in MODELS:
-        timing.rows += _time_model(name, opts.quick, rounds)
 
-    memory = Table(
-        "train-step peak memory: one process per configuration, peak RSS over 3 steps after warm-up (MB)",
+
+def _memory_row(name: str, quick: bool, device: torch.device, desc: str) -> dict:
+    return _memory_row_from(_memory(name, quick, device), desc)
+
+
+def _memory_row_from(m: dict, desc: str) -> dict:
+    ratio = m["ours"]["peak_mb"] / m["native"]["peak_mb"]
+    return {
+        "model": desc,
+        "native_peak_mb": m["native"]["peak_mb"], "ours_peak_mb": m["ours"]["peak_mb"], "ratio": ratio,
+        "native_step_mb": m["native"]["peak_mb"] - m["native"]["before_mb"],
+        "ours_step_mb": m["ours"]["peak_mb"] - m["ours"]["before_mb"],
+        "vmhwm_reset": m["ours"]["vmhwm_reset"],
+        "target": f"<= {MEMORY_TARGET:.2f}", "met": verdict(ratio, MEMORY_TARGET),
+    }
+
+
+def _memory_table(device: torch.device) -> Table:
+    if device.type == "cuda":
+        title = ("train-step peak memory (CUDA fp16): one process per configuration, torch.cuda.max_memory_allocated "
+                 "over 3 steps after a warm-up step (MiB)")
+        note = "step growth = peak during the steps minus memory allocated before them (activations, casts)."
+    else:
+        title = "train-step peak memory: one process per configuration, peak RSS over 3 steps after warm-up (MB)"
+        note = "step growth = peak during the steps minus RSS before them (activations, gradients, casts)."
+    return Table(
+        title,
         [("model", "model", "{}"), ("native_peak_mb", "native peak", "{:.0f}"), ("ours_peak_mb", "ours peak", "{:.0f}"),
          ("ratio", "ours/native", "{:.3f}"), ("native_step_mb", "native step growth", "{:.1f}"),
          ("ours_step_mb", "ours step growth", "{:.1f}"), ("target", "target", "{}"), ("met", "met?", "{}")],
-        note="step growth = peak during the steps minus RSS before them (activations, gradients, casts).",
+        note=note,
     )
+
+
+def run(opts):
+    """Yields the timing table, on CUDA the headline table, then the memory table, each as
+    soon as it is measured."""
+    device = device_of(opts)
+    if device.type == "cuda":
+        yield from _run_cuda(opts, device)
+        return
+    # 41 rounds: with 21 the per-round ratios of a 2-core shared machine moved the median
+    # by up to 0.03 between runs, as much as the margins being measured.
+    rounds = 3 if opts.quick else 41
+    timing = _timing_table(rounds, device)
     for name in MODELS:
-        m = _memory(name, opts.quick)
-        ratio = m["ours"]["peak_mb"] / m["native"]["peak_mb"]
-        memory.rows.append({
-            "model": case(name, opts.quick)[0],
-            "native_peak_mb": m["native"]["peak_mb"], "ours_peak_mb": m["ours"]["peak_mb"], "ratio": ratio,
-            "native_step_mb": m["native"]["peak_mb"] - m["native"]["before_mb"],
-            "ours_step_mb": m["ours"]["peak_mb"] - m["ours"]["before_mb"],
-            "vmhwm_reset": m["ours"]["vmhwm_reset"],
-            "target": f"<= {MEMORY_TARGET:.2f}", "met": verdict(ratio, MEMORY_TARGET),
-        })
-    return [timing, memory]
+        timing.rows += _time_model(name, opts.quick, rounds, device)[0]
+    yield timing
+
+    memory = _memory_table(device)
+    for name in MODELS:
+        memory.rows.append(_memory_row(name, opts.quick, device, case(name, opts.quick)[0]))
+    yield memory
+
+
+CUDA_DESCRIPTIONS = {}  # model -> description, filled as the CUDA models are built
+
+
+def _run_cuda(opts, device: torch.device):
+    # 21 rounds: the GPU's per-round ratios vary far less than a shared CPU's; a GPT-2 /
+    # ResNet-50 round (fp32 and four fp16 steps) is about half a second on an H100.
+    rounds = 3 if opts.quick else 21
+    timing = _timing_table(rounds, device)
+    headline = Table(
+        "train-step headline: fp16 mixed precision with GradScaler vs fp32 (TF32 off: "
+        "torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False), ms/step, SGD, "
+        f"median of {rounds} interleaved rounds",
+        [("model", "model", "{}"), ("fp32_ms", "fp32 (no TF32)", "{:.1f}"),
+         ("native_ms", "native fp16 + torch GradScaler", "{:.1f}"), ("ours_ms", "ours fp16 + our GradScaler", "{:.1f}"),
+         ("native_speedup", "speedup native", "{:.2f}x"), ("ours_speedup", "speedup ours", "{:.2f}x"),
+         ("ours/native", "ours/native", "{:.3f}")],
+        note="speedup = median of per-round fp32 time / mixed-precision time (the train-step table's samples).",
+    )
+    if opts.quick:
+        headline.title += " (quick sizes: a smoke test, not a measurement)"
+    benchmark_mode = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = False  # heuristics: autotuning ResNet-50 cost ~30 s of the budget
+    try:
+        with Tf32Off():
+            for name in MODELS:
+                t0 = time.perf_counter()
+                try:
+                    rows, head = _time_model(name, opts.quick, rounds, device)
+                except Exception as e:  # noqa: BLE001 - one model failing leaves the others' rows
+                    traceback.print_exc(file=sys.stdout)
+                    rows, head = [{"model": name, "loop": "-", "native_ms": failure(e)}], None
+                free_device_memory(device)
+                timing.rows += rows
+                if head is not None:
+                    headline.rows.append(head)
+                CUDA_DESCRIPTIONS[name] = rows[0]["model"]
+                got = ", ".join(f"{r['loop']} ours/native {r['ratio']:.3f}" for r in rows if "ratio" in r)
+                print(f"(train-step: {name} timed in {time.perf_counter() - t0:.1f} s: {got or rows[0]['native_ms']})",
+                      flush=True)
+    finally:
+        torch.backends.cudnn.benchmark = benchmark_mode
+    yield timing
+    yield headline
+
+    # Every (model, configuration) process at once on a large GPU: GPT-2 small and
+    # ResNet-50 peak under 8 GiB each, all eight under 30 GiB.
+    memory = _memory_table(device)
+    cmds = {(name, config): _memory_cmd(name, config, opts.quick, device) for name in MODELS for config in ("native", "ours")}
+    results = run_children(cmds, concurrent=gpu_memory_gib() >= 40)
+    for name in MODELS:
+        desc = CUDA_DESCRIPTIONS.get(name, name)
+        try:
+            m = {config: _parse_child(cmds[name, config], *results[name, config]) for config in ("native", "ours")}
+            memory.rows.append(_memory_row_from(m, desc))
+        except Exception as e:  # noqa: BLE001
+            print(f"(train-step memory, {name}: {e})", flush=True)
+            memory.rows.append({"model": desc, "native_peak_mb": failure(e)})
+    yield memory
