@@ -181,6 +181,20 @@ def free_device_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def training_step(opt, loss_fn, region, batch):
+    """One timed step as a closure: zero_grad, forward + loss inside ``region()``, backward
+    and the optimizer step outside it."""
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with region():
+            loss = loss_fn(*batch)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
 def failure(e: BaseException) -> str:
     """A one-line ``failed: Type: first line`` for a table cell."""
     first = (str(e).strip().splitlines() or [""])[0]

@@ -35,7 +35,7 @@ import dispatch_amp
 
 from . import train_step
 from .common import (Table, amp_dtype, device_of, failure, free_device_memory, interleaved, ratio_stats,
-                     synchronizer, verdict)
+                     synchronizer, training_step, verdict)
 
 NAME = "compile"
 COMPILED_TARGET = 1.02
@@ -57,16 +57,7 @@ def _region(config: str, device: torch.device = torch.device("cpu")):
 def _make_step(model, batch, config: str, backend: str, device: torch.device = torch.device("cpu")):
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     loss_fn = torch.compile(model.loss, backend=backend) if config.endswith("compiled") else model.loss
-    region = _region(config, device)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        with region():
-            loss = loss_fn(*batch)
-        loss.backward()
-        opt.step()
-
-    return step
+    return training_step(opt, loss_fn, _region(config, device), batch)
 
 
 def _compile_seconds(base, batch, config: str, backend: str) -> float:

@@ -62,8 +62,8 @@ from torch import nn
 import dispatch_amp
 from dispatch_amp import fp8
 
-from .common import (Table, device_of, free_device_memory, gpu_memory_gib, interleaved, ratio_stats, run_children,
-                     verdict)
+from .common import (Table, device_of, failure, free_device_memory, gpu_memory_gib, interleaved, ratio_stats,
+                     run_children, training_step, verdict)
 
 NAME = "fp8"
 LINEAR_TARGET = 1.25  # eager fp8 current speedup over bf16
@@ -133,12 +133,6 @@ def _finite(tensors) -> str:
     return "yes" if all(bool(torch.isfinite(t).all()) for t in tensors) else "NO"
 
 
-def _failure(e: Exception) -> str:
-    """A failed configuration's row says why (the other configurations still run)."""
-    first = (str(e).strip().splitlines() or [""])[0]
-    return f"failed: {type(e).__name__}: {first[:160]}"
-
-
 def _correctness(configs, run, collect, columns) -> tuple[dict, dict]:
     """One forward + backward per (mode, configuration), bf16 first in each mode.
 
@@ -158,7 +152,7 @@ def _correctness(configs, run, collect, columns) -> tuple[dict, dict]:
                     run(key)  # priming: the history's first amaxes
                 got = collect(run(key))
             except Exception as e:  # noqa: BLE001
-                failed[key] = _failure(e)
+                failed[key] = failure(e)
                 continue
             errors[key] = {"finite": _finite(got.values())}
             if config == "bf16":
@@ -229,7 +223,7 @@ def _linear_tables(device: torch.device, quick: bool, backend: str, timed: bool)
             torchao_step()
             steps["torchao"] = torchao_step
         except Exception as e:  # noqa: BLE001
-            torchao, torchao_status = None, "torchao " + _failure(e)
+            torchao, torchao_status = None, "torchao " + failure(e)
 
     s = _timed(steps, device, rounds, iters) if timed else None
     flops = 3 * 2 * m * k * n  # the forward gemm and the two backward gemms
@@ -380,16 +374,6 @@ def _optimizer(model: nn.Module, device: torch.device):
     return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
 
 
-def _train_step(model, opt, loss_fn, region, batch):
-    def step():
-        opt.zero_grad(set_to_none=True)
-        with region():
-            loss = loss_fn(*batch)
-        loss.backward()
-        opt.step()
-    return step
-
-
 def _gpt_table(device: torch.device, quick: bool, backend: str, timed: bool) -> Table:
     size = _gpt_size(device, quick)
     rounds, iters = (3, 1) if quick else ((9, 1) if device.type == "cuda" else (11, 2))
@@ -402,7 +386,7 @@ def _gpt_table(device: torch.device, quick: bool, backend: str, timed: bool) -> 
         for config in GPT_CONFIGS:
             regions[mode, config] = _region(device, _recipe(config, model))
             loss_fns[mode, config] = loss_fn
-            steps[mode, config] = _train_step(model, opt, loss_fn, regions[mode, config], batch)
+            steps[mode, config] = training_step(opt, loss_fn, regions[mode, config], batch)
 
     def loss_and_grads(key):
         opt.zero_grad(set_to_none=True)
@@ -511,7 +495,7 @@ def child(args: list[str], opts) -> None:
     device = torch.device("cuda")
     size = _gpt_size(device, opts.quick)
     model, batch = _gpt_case(size, device)
-    step = _train_step(model, _optimizer(model, device), model.loss, _region(device, _recipe(config, model)), batch)
+    step = training_step(_optimizer(model, device), model.loss, _region(device, _recipe(config, model)), batch)
     step()  # AdamW states, allocator warm-up
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

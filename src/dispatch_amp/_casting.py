@@ -185,12 +185,12 @@ def float32_dtype_kwargs(func, device_type: str, args, kwargs):
     """
     if getattr(func, "__name__", None) not in _TAKE_DTYPE or isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return None
-    if kwargs and kwargs.get("out") is not None:
+    if kwargs.get("out") is not None:
         return None
-    first = args[0] if args else next(iter(kwargs.values()), None) if kwargs else None
-    if not isinstance(first, _Tensor) or not first.is_floating_point() or first.dtype is _float64 or first.device.type != device_type:
-        return dict(kwargs) if kwargs else {}
-    return {**kwargs, "dtype": _float32} if kwargs else {"dtype": _float32}
+    first = first_tensor(args, kwargs)
+    if first is None or not first.is_floating_point() or first.dtype is _float64 or first.device.type != device_type:
+        return kwargs  # not eligible: native runs it as given
+    return {**kwargs, "dtype": _float32}
 
 
 def cast_arguments(kind: CastKind, ctx: DeviceContext, args, kwargs, st: ThreadState, func):

@@ -109,6 +109,23 @@ def pad(input, pad, mode="constant", value=None):
 
 
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+# After (input, target, weight): the aten signature's arguments, and F.cross_entropy's.
+_ATEN_CE_ARGS = ("reduction", "ignore_index", "label_smoothing")
+_FUNCTIONAL_CE_ARGS = ("size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
+
+
+def _cross_entropy_options(args, kwargs):
+    """reduction (as a string), ignore_index and label_smoothing from either signature;
+    None when F.cross_entropy's legacy size_average/reduce are given."""
+    reduction = kwargs.get("reduction", args[0] if args else None)
+    if isinstance(reduction, int) and not isinstance(reduction, bool):  # aten: an enum
+        options = {**dict(zip(_ATEN_CE_ARGS, args)), **kwargs}
+        options["reduction"] = _REDUCTIONS[options["reduction"]]
+        return options
+    options = {**dict(zip(_FUNCTIONAL_CE_ARGS, args)), **kwargs}
+    if options.pop("size_average", None) is not None or options.pop("reduce", None) is not None:
+        return None
+    return options
 
 
 def cross_entropy_loss(input, target, weight=None, *args, **kwargs):
@@ -121,19 +138,12 @@ def cross_entropy_loss(input, target, weight=None, *args, **kwargs):
     function level casts each one as native does (measured on an H100: native's float16
     loss is ``nll_loss(log_softmax(x16).float())``, not the float32 cross entropy).
     """
-    if "reduction" in kwargs and isinstance(kwargs["reduction"], int) or args and isinstance(args[0], int):
-        # the aten signature: (input, target, weight, reduction: int, ignore_index, label_smoothing)
-        names = ("reduction", "ignore_index", "label_smoothing")
-        kwargs = {**dict(zip(names, args)), **kwargs}
-        kwargs["reduction"] = _REDUCTIONS[kwargs.get("reduction", 1)]
-    else:
-        names = ("size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
-        kwargs = {**dict(zip(names, args)), **kwargs}
-        if kwargs.pop("size_average", None) is not None or kwargs.pop("reduce", None) is not None:
-            return NOT_HANDLED  # the legacy arguments: F.cross_entropy resolves them itself
-    reduction = kwargs.get("reduction", "mean")
-    ignore_index = kwargs.get("ignore_index", -100)
-    label_smoothing = kwargs.get("label_smoothing", 0.0)
+    options = _cross_entropy_options(args, kwargs)
+    if options is None:
+        return NOT_HANDLED  # the legacy arguments: F.cross_entropy resolves them itself
+    reduction = options.get("reduction", "mean")
+    ignore_index = options.get("ignore_index", -100)
+    label_smoothing = options.get("label_smoothing", 0.0)
     if not isinstance(input, torch.Tensor) or not isinstance(target, torch.Tensor) or reduction not in ("none", "mean", "sum"):
         return NOT_HANDLED
     if weight is not None and type(weight) is not torch.Tensor and label_smoothing > 0:

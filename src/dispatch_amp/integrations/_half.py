@@ -111,8 +111,11 @@ def _cast_tensors_(module: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: b
                         low, master = p, nn.Parameter(p.detach().float(), requires_grad=p.requires_grad)
                     else:
                         low = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
-                        master = p if p.dtype == torch.float32 else nn.Parameter(p.detach().float(), requires_grad=p.requires_grad)
-                        master.grad = None
+                        if p.dtype == torch.float32:
+                            master = p
+                            master.grad = None  # the masters' gradients come from grads_to_masters only
+                        else:
+                            master = nn.Parameter(p.detach().float(), requires_grad=p.requires_grad)
                     new_of[id(p)] = low
                     pairs[id(low)] = (low, master)
                 sub._parameters[name] = low

@@ -297,7 +297,7 @@ class Trainer(_LightningTrainer):
             mixed, true = _MIXED.get(precision), precision in TRUE_PRECISIONS
         except TypeError:  # an unhashable precision: Lightning's to judge
             mixed, true = None, False
-        if mixed is None and any(v is not None for v in (amp_scaler_options,)):
+        if mixed is None and amp_scaler_options is not None:
             raise ValueError(f"amp_scaler_options applies to precision='16-mixed' or 'bf16-mixed', got precision={precision!r}")
         if not true and (amp_opt_level is not None or amp_opt_overrides is not None):
             raise ValueError(
