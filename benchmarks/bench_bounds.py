@@ -2,31 +2,25 @@
 
     python benchmarks/bench_bounds.py [--quick]
 
-Three measurements, each interleaved (A B C, rotating order), medians after warm-up:
+Each measurement interleaved (A B C, rotating order), medians after warm-up:
 
-1. **Per op** (``torch.mm`` 8x8, bf16 autocast): native autocast; the same with an empty
-   ``TorchFunctionMode`` on top (what any Python-level mode costs); ours. Plus the two
-   pieces ours cannot avoid on top of the mode: a cast issued from Python
-   (``t.bfloat16()``) and the bf16 mm itself.
+1. **Per op** (``torch.mm`` 8x8, bf16 autocast): native autocast; ours; ours on an op
+   whose kernel runs it as given (a policy without ``mm``: the floor of any kernel of
+   ours, the dispatcher calling into Python and back); a cast issued from Python
+   (``t.bfloat16()``); the bf16 mm itself.
 2. **Model forwards** (benchmarks.models.CNN, batch 32, and the overhead-bound
-   ResidualMLP, 24 x Linear 64, batch 16; grad mode): native, native + empty
-   ``TorchFunctionMode``, ours: how much of our overhead any Python mode pays, and the
-   cost of the casts ours issues from Python (a weight: a Parameter that requires grad;
-   an activation: a tensor that requires grad), which native makes inside C++.
-3. **Read-only finite check on CPU**, 64 x 512K fp32 gradients: torch's fused
+   ResidualMLP, 24 x Linear 64, batch 16; grad mode): native and ours.
+3. **One cast issued from Python**, by what is cast (a weight: a Parameter that requires
+   grad; an activation: a tensor that requires grad; a plain tensor), which native makes
+   inside C++.
+4. **Read-only finite check on CPU**, 64 x 512K fp32 gradients: torch's fused
    unscale-and-check op (reads and writes) against read-only torch alternatives, to show
    why the fused-optimizer path keeps the fused op on CPU.
-4. **Small ops right after a backward**: the scaler's per-step device ops (scale update,
+5. **Small ops right after a backward**: the scaler's per-step device ops (scale update,
    history row, trackers) timed first thing after a CNN backward and again warm; on CPU
    their count, not their work, is what an ``update()`` costs.
-
-5. **The mode floor by kind of call**: a C function (``torch.mm``), a torch Python
-   wrapper (``F.silu``) and a module (``BatchNorm2d``), with and without an empty
-   ``TorchFunctionMode``: Python wrappers reach a mode through torch's Python
-   ``handle_torch_function`` and then run again, so they pay more.
-6. **Compiled step**: how many calls of a ``torch.compile``'d ResidualMLP step reach our
-   function level while the compiled code runs (AOTAutograd's runtime checks, inductor's
-   extern kernels); each pays the floor of any Python mode (part 1).
+6. **Compiled step**: calls into our Python while a ``torch.compile``'d ResidualMLP step
+   runs (0: the compiled code never calls back).
 
 Prints Markdown tables; asserts nothing.
 """
@@ -42,33 +36,20 @@ import timeit
 from pathlib import Path
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 import dispatch_amp as amp  # noqa: E402
 from benchmarks.models import CNN, ResidualMLP  # noqa: E402
-from dispatch_amp import _engine  # noqa: E402
-
-
-class EmptyMode(TorchFunctionMode):
-    """A TorchFunctionMode that only forwards: the floor of any Python-level mode."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def native_plus_empty_mode():
-    with torch.autocast("cpu", dtype=torch.bfloat16), EmptyMode():
-        yield
-
+from benchmarks.suites.host_cost import PythonEntries  # noqa: E402
 
 CONTEXTS = {
     "native": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
-    "native + empty mode": native_plus_empty_mode,
     "ours": lambda: amp.autocast("cpu", dtype=torch.bfloat16),
 }
+# A policy of our own without mm: mm keeps a kernel of ours (native registers it), which
+# runs it as given.
+_WITHOUT_MM = amp.Policy.for_device("cpu").without_ops("mm", name="cpu without mm")
 
 
 def markdown(title: str, header: list[str], rows: list[list[str]]) -> str:
@@ -103,6 +84,10 @@ def per_op(quick: bool) -> str:
     ab, bb = a.bfloat16(), b.bfloat16()
 
     fns = {k: repeated(lambda: torch.mm(a, b), ctx) for k, ctx in CONTEXTS.items()}
+    fns["ours, mm run as given (a kernel's floor)"] = repeated(
+        lambda: torch.mm(a, b), lambda: amp.autocast("cpu", dtype=torch.bfloat16, policy=_WITHOUT_MM)
+    )
+    fns["no autocast, fp32 mm"] = repeated(lambda: torch.mm(a, b))
     fns["t.bfloat16() (one cast from Python)"] = repeated(lambda: a.bfloat16())
     fns["bf16 mm, inputs already bf16"] = repeated(lambda: torch.mm(ab, bb))
     got = interleaved_us(fns, 2000 if quick else 20000, 3 if quick else 9)
@@ -137,27 +122,6 @@ def mlp_forward(quick: bool) -> str:
     return _forward("ResidualMLP 24 x Linear 64, batch 16 (75 torch calls)", ResidualMLP(), x, y, quick)
 
 
-def mode_floor(quick: bool) -> str:
-    """What an empty TorchFunctionMode adds per call, by kind of call."""
-    x, w = torch.randn(16, 64), torch.randn(64, 64)
-    bn, image = torch.nn.BatchNorm2d(8), torch.randn(4, 8, 8, 8)
-    calls = {
-        "torch.mm (a C function)": lambda: torch.mm(x, w),
-        "F.silu (a Python wrapper)": lambda: torch.nn.functional.silu(x),
-        "BatchNorm2d, training (a module)": lambda: bn(image),
-    }
-    fns = {}
-    for name, body in calls.items():
-        fns[(name, "without")] = repeated(body)
-        fns[(name, "with")] = repeated(body, EmptyMode)
-    got = interleaved_us(fns, 300 if quick else 3000, 3 if quick else 9)
-    rows = [
-        [name, f"{got[(name, 'without')]:.2f}", f"{got[(name, 'with')]:.2f}", f"{got[(name, 'with')] - got[(name, 'without')]:+.2f}"]
-        for name in calls
-    ]
-    return markdown("an empty TorchFunctionMode, per call (us)", ["call", "without", "with", "added"], rows)
-
-
 def python_casts(quick: bool) -> str:
     """What one cast costs when issued from Python, by what is cast."""
     layer = torch.nn.Linear(64, 64)
@@ -173,7 +137,7 @@ def python_casts(quick: bool) -> str:
 
 
 def compiled_calls(quick: bool) -> str:
-    """Calls of a compiled ResidualMLP step that reach our function level at run time."""
+    """Calls into our Python while a compiled ResidualMLP forward + loss runs."""
     import torch._dynamo
 
     torch.manual_seed(0)
@@ -182,23 +146,14 @@ def compiled_calls(quick: bool) -> str:
     loss = torch.compile(model.loss, backend="aot_eager" if quick else "inductor")
     with amp.autocast("cpu", dtype=torch.bfloat16):
         loss(x, y)  # compile
-    seen: dict[str, int] = {}
-    handler = _engine._FunctionLevel.__torch_function__
-
-    def counting(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", str(func))
-        seen[name] = seen.get(name, 0) + 1
-        return handler(self, func, types, args, kwargs)
-
-    _engine._FunctionLevel.__torch_function__ = counting
     try:
         with amp.autocast("cpu", dtype=torch.bfloat16):
-            loss(x, y)
+            with PythonEntries() as entries:
+                loss(x, y)
     finally:
-        _engine._FunctionLevel.__torch_function__ = handler
         torch._dynamo.reset()
-    rows = [[k, str(v)] for k, v in sorted(seen.items(), key=lambda kv: -kv[1])] + [["total", str(sum(seen.values()))]]
-    return markdown("calls of one compiled ResidualMLP forward that reach our function level", ["call", "count"], rows)
+    rows = [[k, str(v)] for k, v in entries.by_function.most_common()] + [["total", str(entries.count)]]
+    return markdown("calls into our Python while one compiled ResidualMLP forward runs", ["function", "count"], rows)
 
 
 def readonly_check(quick: bool) -> str:
@@ -262,7 +217,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes and few rounds (a smoke test)")
     args = parser.parse_args(argv)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
-    for part in (per_op, cnn_forward, mlp_forward, mode_floor, python_casts, readonly_check, cold_small_ops, compiled_calls):
+    for part in (per_op, cnn_forward, mlp_forward, python_casts, readonly_check, cold_small_ops, compiled_calls):
         print(part(args.quick), end="\n\n", flush=True)
     return 0
 

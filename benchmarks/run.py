@@ -5,7 +5,7 @@ Usage (from the repository root)::
     python -m benchmarks [--quick] [--device cpu|cuda] [--suite NAME ...] [--no-save | --out DIR]
     python benchmarks/run.py [same options]
 
-Suites: train-step, dispatch-overhead, scaler, kernels, compile, fp8 (see benchmarks/suites/). ``--quick``
+Suites: train-step, dispatch-overhead, host-cost, scaler, kernels, compile, fp8 (see benchmarks/suites/). ``--quick``
 runs every suite on tiny sizes in under a minute (CI runs it as a smoke test: it checks
 that the suites run, never their numbers). Results go to
 ``benchmarks/results/<machine>/<suite>.csv`` (``<suite>.quick.csv`` with ``--quick``),
@@ -43,9 +43,9 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 import torch  # noqa: E402
 
-from benchmarks.suites import common, compile, dispatch_overhead, fp8, kernels_static, scaler, train_step  # noqa: E402
+from benchmarks.suites import common, compile, dispatch_overhead, fp8, host_cost, kernels_static, scaler, train_step  # noqa: E402
 
-SUITES = {m.NAME: m for m in (train_step, dispatch_overhead, scaler, kernels_static, compile, fp8)}
+SUITES = {m.NAME: m for m in (train_step, dispatch_overhead, host_cost, scaler, kernels_static, compile, fp8)}
 RESULTS = Path(__file__).resolve().parent / "results"
 
 

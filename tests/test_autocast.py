@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dispatch_amp as amp
-from dispatch_amp import _engine
+from dispatch_amp import _cast_cache, _engine
 from dispatch_amp.autocast import _DEVICES, device_dtypes
 from dispatch_amp.policy import BUILTIN_DEVICES
 
@@ -40,7 +40,8 @@ class CountOps(TorchDispatchMode):
 @pytest.fixture(autouse=True)
 def no_state_leaks():
     yield
-    assert _engine.STATE.frames == [] and _engine.STATE.function_level is None and _engine.STATE.aten_level is None
+    assert _engine.STATE.frames == [] and _engine.STATE.fp8_level is None and not _engine.STATE.key_on
+    assert not torch.is_autocast_enabled("privateuseone")
     assert not amp.is_autocast_enabled("cpu")
 
 
@@ -400,11 +401,12 @@ def test_explicit_dtype_argument_is_respected_by_fp32_ops():
         assert x.sum(dtype=torch.float64).dtype == torch.float64
 
 
-def test_aten_level_applies_the_policy_where_autograd_records_nothing():
-    # pairwise_distance decomposes in C++ into ops the function level never sees; under
-    # no_grad the aten level casts its norm to float32, as native CUDA autocast does.
-    a = torch.randn(4, 8, dtype=torch.float16)
-    with torch.no_grad(), amp.autocast("cpu", dtype=torch.float16, policy=CUDA_POLICY):
+@pytest.mark.parametrize("grad", [False, True], ids=["nograd", "grad"])
+def test_ops_inside_cpp_composites_follow_the_policy(grad):
+    # pairwise_distance decomposes in C++ into a vector norm; the engine's kernel for it
+    # runs it in float32, as native CUDA autocast does, with or without autograd.
+    a = torch.randn(4, 8, dtype=torch.float16, requires_grad=grad)
+    with torch.set_grad_enabled(grad), amp.autocast("cpu", dtype=torch.float16, policy=CUDA_POLICY):
         assert F.pairwise_distance(a, a).dtype == torch.float32
 
 
@@ -463,8 +465,8 @@ def test_cache_is_dropped_at_exit_and_not_shared_across_grad_modes():
             lin(x)
         # the cast made under no_grad has no history: the next op must get a fresh one
         lin(x).float().sum().backward()
-        assert _engine.STATE.cache
-    assert not _engine.STATE.cache
+        assert _cast_cache.CACHE.entries
+    assert not _cast_cache.CACHE.entries
     assert lin.weight.grad is not None
 
 
@@ -684,7 +686,8 @@ def _torch_state():
     st = _engine.STATE
     return (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), nesting,
             torch._C._len_torch_function_stack(), len(st.frames), len(st.owns), len(st.saved),
-            st.function_level is not None, st.aten_level is not None,
+            st.fp8_level is not None, st.key_on, torch.is_autocast_enabled("privateuseone"),
+            torch.get_autocast_dtype("privateuseone"),
             torch._functorch.config.backward_pass_autocast)
 
 

@@ -34,7 +34,7 @@ def fresh_dynamo():
 
 class Block(nn.Module):
     """Matmuls, a float32 op (softmax), a norm, a residual and a loss; with ``mha``, a
-    torch Python composite our function level expands (F.multi_head_attention_forward)."""
+    torch Python composite (F.multi_head_attention_forward) whose calls reach our kernels."""
 
     def __init__(self, mha=False):
         super().__init__()
@@ -142,14 +142,31 @@ def test_guards_recompile_or_reuse_the_right_graph():
 
 
 def _mm_input_dtypes(graph_module):
-    """The dtypes of the inputs of every mm / linear / matmul node Dynamo recorded."""
+    """The dtypes of the tensor inputs of every mm / addmm / bmm node of an aten graph."""
     found = []
     for node in graph_module.graph.nodes:
-        if node.op in ("call_function", "call_method") and getattr(node.target, "__name__", node.target) in (
-            "mm", "linear", "matmul"
+        if node.op == "call_function" and node.target in (
+            torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default
         ):
-            found.append(frozenset(a.meta["example_value"].dtype for a in node.args if hasattr(a, "meta")))
+            found.append(frozenset(a.meta["val"].dtype for a in node.args if hasattr(a, "meta") and "val" in a.meta))
     return found
+
+
+def _aten_forward_graph(model, args, region):
+    """The forward aten graph AOTAutograd traces for ``model(*args)`` under ``region``: where
+    our casts land (our kernels run while it traces)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=keep))
+    with region:
+        compiled(*args)
+    return graphs[0]
 
 
 @pytest.mark.parametrize("fullgraph", [False, True], ids=["graphs", "fullgraph"])
@@ -179,7 +196,9 @@ def test_a_policy_of_our_own_compiles_into_the_graph(policy, backend, fullgraph)
     assert logits.dtype == want_logits.dtype
     if policy is KEEP_MM_FP32:
         # The policy's float32 matmuls are float32 in the graph, the others lowered.
-        dtypes = set(_mm_input_dtypes(counter.graphs[0]))
+        torch._dynamo.reset()
+        graph = _aten_forward_graph(model, (x, y), amp.autocast("cpu", dtype=dtype, policy=policy))
+        dtypes = set(_mm_input_dtypes(graph))
         assert {frozenset({torch.float32}), frozenset({torch.bfloat16})} <= dtypes
     grads = [p.grad for p in model.parameters()]
     if backend == "aot_eager":  # the same aten ops in the same dtypes: the same bits
@@ -232,17 +251,19 @@ def test_native_region_inside_ours_rules_in_the_graph():
     assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
-def test_compiled_inference_under_a_policy_of_our_own_warns_where_it_differs():
-    # Eagerly, under no_grad, the aten level casts ops inside C++ composites
-    # (pairwise_distance's norm: float32 under the CUDA table); the compiled graph holds
-    # the calls Dynamo traced, so it cannot, and says so once per policy.
+def test_compiled_inference_under_a_policy_of_our_own_equals_eager():
+    # Ops inside C++ composites (pairwise_distance's norm: float32 under the CUDA table)
+    # reach our kernels when AOTAutograd traces, so the compiled graph casts them as
+    # eager does, under no_grad too.
     a = torch.randn(4, 8, dtype=torch.float16)
     policy = CUDA_TABLE.with_ops(name="cuda-table-for-this-test")
     f = torch.compile(lambda t: F.pairwise_distance(t, t + 1), backend="aot_eager")
     with torch.no_grad(), amp.autocast("cpu", dtype=torch.float16, policy=policy):
-        assert F.pairwise_distance(a, a + 1).dtype == torch.float32
-        with pytest.warns(amp.AmpNumericsWarning, match="no_grad/inference_mode"):
-            assert f(a).dtype == torch.float16
+        want = F.pairwise_distance(a, a + 1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = f(a)
+    assert want.dtype == got.dtype == torch.float32 and torch.equal(got, want)
     # Calls Dynamo traces follow the policy under no_grad too.
     lin = nn.Linear(8, 8)
     g = torch.compile(lambda t: torch.softmax(lin(t), -1), backend="aot_eager", fullgraph=True)
@@ -251,9 +272,9 @@ def test_compiled_inference_under_a_policy_of_our_own_warns_where_it_differs():
 
 
 def test_a_compiled_graph_runs_without_our_handler_casting_again():
-    # While a compiled graph runs, torch excludes the Autocast key; our function level
-    # sees the graph's calls (inductor's extern kernels, aot_eager's aten ops) and must
-    # run them as they are: here an addmm the policy would otherwise keep in float32.
+    # While a compiled graph runs, torch excludes the Autocast keys, ours too: the graph's
+    # calls (inductor's extern kernels, aot_eager's aten ops) run as they are, here an
+    # addmm the policy would otherwise keep in float32.
     policy = amp.Policy.for_device("cpu").with_ops(fp32=["addmm"], name="addmm-fp32")
     lin = nn.Linear(8, 8)
     x = torch.randn(4, 8)
@@ -299,7 +320,7 @@ def test_ours_used_inside_a_compiled_function_is_traced(form):
 def _engine_is_idle():
     from dispatch_amp import _engine
 
-    return _engine.STATE.frames == [] and _engine.STATE.function_level is None
+    return _engine.STATE.frames == [] and _engine.STATE.fp8_level is None and not _engine.STATE.key_on
 
 
 def test_ours_inside_a_compiled_function_falls_back_where_it_cannot_be_traced():

@@ -1,51 +1,77 @@
-"""Routes: how the engine handles each call under a policy."""
+"""Plans: what the engine's kernels do with each op under a policy."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from dispatch_amp import Policy
-from dispatch_amp._routing import EXPAND, GETTER, routes_for
-from dispatch_amp.composites import DECOMPOSITIONS
-from dispatch_amp.op_tables import CastKind
+from dispatch_amp import Policy, _handlers
+from dispatch_amp._cudnn_rnn import cudnn_rnn
+from dispatch_amp._routing import plan_for
+from dispatch_amp.policy import castable_overloads
+
+aten = torch.ops.aten
 
 
-def test_equal_policies_share_routes():
+def test_equal_policies_on_one_device_type_share_a_plan():
     a = Policy.for_device("cpu").with_ops(fp32=["mm"])
     b = Policy.for_device("cpu").with_ops(fp32=["mm"], name="other name")
-    assert routes_for(a) is routes_for(b)
-    assert routes_for(a) is not routes_for(Policy.for_device("cpu"))
+    assert plan_for(a, "cpu") is plan_for(b, "cpu")
+    assert plan_for(a, "cpu") is not plan_for(Policy.for_device("cpu"), "cpu")
+    assert plan_for(a, "cpu") is not plan_for(a, "cuda")
 
 
-def test_function_routes():
-    routes = routes_for(Policy.for_device("cpu"))
-    assert routes.function_route(torch.mm) is CastKind.LOWER
-    assert routes.function_route(torch.Tensor.__matmul__) is CastKind.LOWER
-    assert routes_for(Policy.for_device("cuda")).function_route(F.layer_norm) is CastKind.FP32
-    assert routes.function_route(torch.Tensor.shape.__get__) is GETTER
-    assert routes.function_route(F.multi_head_attention_forward) is EXPAND
-    assert routes.function_route(torch.relu) is None
-    assert routes.function_route(torch.lstm_cell) is DECOMPOSITIONS["lstm_cell"]
-    # The CUDA table casts the cell whole, as cuDNN does.
-    assert routes_for(Policy.for_device("cuda")).function_route(torch.lstm_cell) is CastKind.LOWER
+def test_handlers_follow_the_kind():
+    plan = plan_for(Policy.for_device("cpu"), "cpu")
+    assert plan.handler(aten.mm.default) is _handlers.lower
+    assert plan.handler(aten.cat.default) is _handlers.promote
+    assert plan.handler(aten.mse_loss.default) is _handlers.fp32
+    assert plan.handler(aten.relu.default) is _handlers.given
+    cuda = plan_for(Policy.for_device("cuda"), "cuda")
+    assert cuda.handler(aten.binary_cross_entropy.default) is _handlers.banned
+    # fp32-unless-dtype: an optional dtype argument is set (softmax: positional, sum:
+    # keyword-only); norm's overloads without one get the sibling that takes one.
+    assert cuda.handler(aten.softmax.int).__qualname__.startswith("fp32_set_opt_dtype")
+    assert cuda.handler(aten.sum.default).__qualname__.startswith("fp32_set_opt_dtype")
+    assert cuda.handler(aten.norm.Scalar).__qualname__.startswith("fp32_append_dtype")
+    assert cuda.handler(aten.norm.ScalarOpt_dtype) is _handlers.given
 
 
-def test_aten_routes_never_cast_out_or_inplace_overloads():
-    routes = routes_for(Policy.for_device("cpu"))
-    assert routes.aten_kind(torch.ops.aten.mm.default) is CastKind.LOWER
-    assert routes.aten_kind(torch.ops.aten.mm.out) is None
-    assert routes.aten_kind(torch.ops.aten.addmm_.default) is None
+def test_out_and_in_place_overloads_are_never_cast():
+    plan = plan_for(Policy.for_device("cpu"), "cpu")
+    assert plan.kind(aten.mm.default) == "lower"
+    assert plan.kind(aten.mm.out) is None
+    assert plan.kind(aten.addmm_.default) is None
+    names = {op._overloadname for op in castable_overloads("aten::mm")}
+    assert "default" in names and "out" not in names
 
 
-def test_rnn_layers_are_left_to_native_under_the_builtin_cuda_policy():
-    # Native's _cudnn_rnn wrapper casts them (to float16, re-flattened) below us; a policy
-    # of one's own casts them whole, and cross_entropy follows native's C++ composite.
-    builtin = routes_for(Policy.for_device("cuda"))
-    derived = routes_for(Policy.for_device("cuda").with_ops(fp32=["softmax"]))
-    for fn in (torch._VF.lstm, torch._VF.gru, torch._VF.rnn_tanh, torch._VF.rnn_relu):
-        assert builtin.function_route(fn) is None
-        assert derived.function_route(fn) is CastKind.LOWER
-    assert routes_for(Policy.for_device("xpu")).function_route(torch._VF.lstm) is CastKind.LOWER
-    assert builtin.function_route(F.cross_entropy) is DECOMPOSITIONS["cross_entropy_loss"]
-    assert routes_for(Policy.for_device("cpu")).function_route(F.cross_entropy) is CastKind.FP32
+def test_cudnn_rnn_follows_natives_own_wrapper():
+    # Native's float16 cast-and-reflatten, under the CUDA table's `lower` for the op (which
+    # only CUDA builds register).
+    assert ("aten::_cudnn_rnn" in Policy.for_device("cuda").rules) == (torch.version.cuda is not None)
+    own = Policy({"lower": ["_cudnn_rnn", "mm"]})
+    handler = plan_for(own, "cuda").handler(aten._cudnn_rnn.default)
+    assert getattr(handler, "__wrapped__", handler) is cudnn_rnn
+
+
+def test_builtin_rules_cover_the_overloads_native_registers():
+    # Native CPU registers _convolution's deprecated overload only: the other one (what
+    # vmap's convolution rule calls) runs as given, as natively.
+    plan = plan_for(Policy.for_device("cpu"), "cpu")
+    assert plan.kind(aten._convolution.deprecated) == "lower"
+    assert plan.kind(aten._convolution.default) is None
+    assert aten._convolution.default not in plan.registered
+    # A rule given by op covers every overload a rule may cover.
+    mine = plan_for(Policy({"lower": ["_convolution"]}), "cpu")
+    assert mine.kind(aten._convolution.default) == mine.kind(aten._convolution.deprecated) == "lower"
+
+
+def test_a_policy_of_our_own_also_takes_the_ops_native_registers():
+    # So native's kernels never cast a call in our region: an op native casts and the
+    # policy does not gets a kernel that runs it as given.
+    own = Policy.for_device("cpu").without_ops("mm")
+    plan = plan_for(own, "cpu")
+    assert aten.mm.default in plan.registered
+    assert plan.kind(aten.mm.default) is None
+    builtin = plan_for(Policy.for_device("cpu"), "cpu")
+    assert aten.relu.default not in builtin.registered

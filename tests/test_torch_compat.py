@@ -14,7 +14,7 @@ from dispatch_amp import _torch_compat
 def test_every_private_api_resolves_on_a_supported_torch():
     assert torch.__version__ >= _torch_compat.OLDEST_TORCH
     for name in (
-        "len_dispatch_stack", "dispatch_stack_at", "pop_dispatch_stack", "push_dispatch_stack",
+        "len_function_stack", "function_stack_at", "pop_function_stack", "push_function_stack",
         "top_saved_tensors_hooks", "reentrant_checkpoint_function", "tensor_is_view",
         "set_eval_frame", "skip_code",
     ):
@@ -27,10 +27,11 @@ def test_the_oldest_supported_torch_is_pyprojects_floor():
 
 
 def test_a_missing_api_fails_the_import_and_names_it(monkeypatch):
-    monkeypatch.delattr(torch._C, "_pop_torch_dispatch_stack")
+    monkeypatch.delattr(torch._C, "_dispatch_tls_set_dispatch_key_included")
     monkeypatch.delattr(torch._C._autograd, "_top_saved_tensors_default_hooks")
     try:
-        pattern = r"torch\._C\._pop_torch_dispatch_stack, torch\._C\._autograd\._top_saved_tensors_default_hooks"
+        pattern = (r"torch\._C\._autograd\._top_saved_tensors_default_hooks, .*"
+                   r"torch\._C\._dispatch_tls_set_dispatch_key_included")
         with pytest.raises(ImportError, match=pattern) as info:
             importlib.reload(_torch_compat)
         assert (f"tested with torch {_torch_compat.OLDEST_TORCH} through "

@@ -21,7 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import dispatch_amp as amp
-from dispatch_amp import _engine
+from dispatch_amp import _cast_cache, _engine
 
 KEEP_MM_FP32 = amp.Policy.for_device("cpu").with_ops(fp32=["mm", "linear", "addmm"], name="keep-mm-fp32")
 
@@ -40,7 +40,8 @@ BOTH = pytest.mark.parametrize("region", [native, ours], ids=["native", "ours"])
 @pytest.fixture(autouse=True)
 def no_state_leaks():
     yield
-    assert _engine.STATE.frames == [] and _engine.STATE.function_level is None and _engine.STATE.aten_level is None
+    assert _engine.STATE.frames == [] and _engine.STATE.fp8_level is None and not _engine.STATE.key_on
+    assert not torch.is_autocast_enabled("privateuseone")
     assert not torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
     assert torch.is_autocast_cache_enabled()
 
@@ -318,8 +319,8 @@ def test_construction_as_native(args, kwargs):
     assert outcome[amp.autocast] == outcome[torch.autocast]
 
 
-def test_calling_a_context_on_a_tensor_is_a_type_error():
-    with pytest.raises(TypeError):
+def test_calling_a_context_on_a_tensor_is_a_type_error_in_torchs_words():
+    with pytest.raises(TypeError, match=r"requires a callable, but got Tensor.*context manager"):
         amp.autocast("cpu")(torch.ones(1))
 
 
@@ -398,22 +399,22 @@ def test_cache_lives_for_the_outermost_region_as_natives():
     x = torch.randn(2, 8)
     with ours():
         lin(x)
-        assert _engine.STATE.cache
+        assert _cast_cache.CACHE.entries
         with native(enabled=False):
             pass
-        assert _engine.STATE.cache  # a nested region's exit does not clear it
-    assert not _engine.STATE.cache
+        assert _cast_cache.CACHE.entries  # a nested region's exit does not clear it
+    assert not _cast_cache.CACHE.entries
     with ours():
         lin(x)
         torch.clear_autocast_cache()
-        assert _engine.STATE.cache  # torch's function cannot reach ours
+        assert _cast_cache.CACHE.entries  # torch's function cannot reach ours
         amp.clear_autocast_cache()
-        assert not _engine.STATE.cache
+        assert not _cast_cache.CACHE.entries
         lin.weight.data.mul_(2)  # invisible to the version counter
         torch.testing.assert_close(lin(x).float(), x @ lin.weight.t() + lin.bias, atol=0.1, rtol=0.02)
     with ours(cache_enabled=False):
         lin(x)
-        assert not _engine.STATE.cache
+        assert not _cast_cache.CACHE.entries
 
 
 # -- 7. threads -----------------------------------------------------------------------
@@ -460,10 +461,11 @@ def test_one_context_object_open_in_two_threads():
     assert sorted(map(str, seen)) == sorted(map(str, [torch.bfloat16, torch.bfloat16, False, False]))
 
 
-# -- 8. what stays different ----------------------------------------------------------
-def test_transformer_fast_path_is_skipped_under_ours_as_documented():
-    """torch skips nn.TransformerEncoderLayer's fused inference path whenever a torch
-    function mode is active; ours then runs the module's ordinary path (README)."""
+# -- 8. module fast paths -----------------------------------------------------------------
+def test_transformer_fast_path_runs_under_ours_as_under_native():
+    """nn.TransformerEncoderLayer takes its fused inference path (it checks that no torch
+    function mode is active) and its fused kernel reaches our engine's kernels: the
+    result is native's, bit for bit."""
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True).eval()
     src = torch.randn(2, 5, 16)
@@ -475,8 +477,8 @@ def test_transformer_fast_path_is_skipped_under_ours_as_documented():
                 want = layer(src, **kwargs)
             with ours():
                 got = layer(src, **kwargs)
-        assert want.dtype == torch.bfloat16 and got.dtype == torch.float32
-        torch.testing.assert_close(got, want.float(), atol=3e-2, rtol=3e-2)
+        assert want.dtype == got.dtype == torch.bfloat16
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("variant", sorted(CHECKPOINTS))
@@ -593,3 +595,44 @@ def test_torch_func_transforms_inside_ours_equal_native(case):
         with region():
             results[region] = _func_cases()[case]()
     same(results[ours], results[native])
+
+
+# -- threads torch starts with our state ----------------------------------------------------
+def _run_as_torchs_worker(fn, region_state):
+    """Runs ``fn`` in a new thread that holds the dispatch-key and autocast state of a
+    region, and none of our Python state: what torch's autograd engine gives the device
+    threads it runs a backward on (it copies the caller's thread-local state)."""
+    key = torch._C.DispatchKey.AutocastPrivateUse1
+    enabled, dtype, token = region_state
+    out = {}
+
+    def worker():
+        torch.set_autocast_enabled("cpu", enabled)
+        torch.set_autocast_dtype("cpu", dtype)
+        torch.set_autocast_dtype("privateuseone", token)
+        torch._C._dispatch_tls_set_dispatch_key_excluded(key, False)
+        torch._C._dispatch_tls_set_dispatch_key_included(key, True)
+        try:
+            out["value"] = fn()
+        except Exception as error:  # noqa: BLE001 - re-raised below
+            out["error"] = error
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+@pytest.mark.parametrize("policy", [None, KEEP_MM_FP32], ids=["built-in", "own"])
+def test_a_thread_torch_starts_with_our_state_casts_under_our_policy(policy):
+    a, w = torch.randn(4, 4), nn.Parameter(torch.randn(4, 4))
+    with ours(policy=policy):
+        want = (torch.mm(a, w), F.linear(a, w))
+        state = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+                 torch.get_autocast_dtype("privateuseone"))
+        got = _run_as_torchs_worker(lambda: (torch.mm(a, w), F.linear(a, w)), state)
+    for g, x in zip(got, want):
+        assert g.dtype == x.dtype and torch.equal(g, x)
+    assert got[0].dtype == (torch.float32 if policy is not None else torch.bfloat16)

@@ -16,6 +16,7 @@ __all__ = [
     "is_autocast_enabled",
     "get_autocast_dtype",
     "clear_autocast_cache",
+    "cast_cache",
     "CompileFallbackWarning",
     "Policy",
     "custom_fwd",
@@ -48,6 +49,7 @@ from .autocast import (  # noqa: E402
     is_autocast_enabled,
 )
 from .policy import Policy  # noqa: E402
+from ._cast_cache import cast_cache  # noqa: E402
 from .checkpoint import checkpoint  # noqa: E402
 from .custom_function import custom_bwd, custom_fwd  # noqa: E402
 from .grad_scaler import GradScaler, OptState  # noqa: E402

@@ -1,25 +1,27 @@
 """How the arguments of one call are cast: native autocast's rules, in Python.
 
 Only floating tensors of the context's device are cast, float64 never; lower-precision
-casts of float32 leaves that require grad (weights) are cached for the outermost region,
-as native caches them; promote looks inside list arguments. ``cast_arguments`` applies
-one ``CastKind``; the levels in ``_engine.py`` decide which.
+casts of float32 leaves that require grad (weights) are cached, as native caches them
+(``cast_one``); promote looks inside list arguments. The handlers of ``_handlers.py`` apply
+these per cast kind; the fp8 tracing path (``_tracing_path.py``) shares the rules.
+
+Functions here take the region's context and thread state as plain objects (duck typed):
+``ctx.dtype`` and ``ctx.on_device``; the cache itself is ``_cast_cache.py``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import _torch_compat
-from ._state import DeviceContext, ThreadState
-from .op_tables import BANNED, FP8, FP32, FP32_UNLESS_DTYPE, LOWER, PROMOTE, CastKind
+from . import _cast_cache, _torch_compat
+from .op_tables import FP8, FP32, FP32_UNLESS_DTYPE, LOWER, PROMOTE, CastKind
 
 _Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
 _float32 = torch.float32
 _float64 = torch.float64
-_grad_enabled = torch.is_grad_enabled
-_enable_grad = torch.enable_grad
 _inference_mode_on = torch.is_inference_mode_enabled
+_cache_on = torch.is_autocast_cache_enabled
 _is_view = _torch_compat.tensor_is_view
 
 
@@ -28,13 +30,14 @@ def first_tensor(args, kwargs):
     return next(iter_tensors(args, kwargs), None)
 
 
-def context_for(st: ThreadState, args, kwargs) -> DeviceContext | None:
-    """The context governing an op when several device types have one open."""
+def context_for(active, args, kwargs):
+    """The context (of ``active``) governing an op when several device types have one
+    open: the one of the first tensor's device type, or None."""
     t = first_tensor(args, kwargs)
     if t is None:
         return None
     device_type = t.device.type
-    for ctx in st.active:
+    for ctx in active:
         if ctx.device_type == device_type:
             return ctx
     return None
@@ -49,7 +52,8 @@ _CAST_METHODS = {
 }
 
 
-def cast_one(t: _Tensor, dtype: torch.dtype, ctx: DeviceContext, st: ThreadState):
+def cast_one(t: _Tensor, dtype: torch.dtype, ctx, st):
+    """``t`` cast to ``dtype`` if native autocast would cast it, else ``t`` itself."""
     # Native rule: only floating tensors of the context's device, never float64.
     t_dtype = t.dtype
     if t_dtype is dtype or t_dtype is _float64 or not t.is_floating_point() or not ctx.on_device(t):
@@ -59,28 +63,21 @@ def cast_one(t: _Tensor, dtype: torch.dtype, ctx: DeviceContext, st: ThreadState
     # makes each such cast with grad mode on, so one cached cast serves no_grad and grad
     # mode alike and has requires_grad=True in both (matmul's path choice reads it).
     # Inference tensors have no version counter, and a cast made under inference_mode is
-    # one: neither is cached (native does not reuse those either).
+    # one: neither is cached (native does not reuse those either). Only plain tensors:
+    # while torch.compile traces, the arguments are fake or functional tensors (and
+    # make_fx switches torch's cache flag off, which is read here as native reads it).
     if (
-        ctx.cache_enabled
-        and t.requires_grad
+        t.requires_grad
         and t_dtype is _float32
         and dtype is ctx.dtype
+        and (t.__class__ is _Parameter or t.__class__ is _Tensor)
         and t.is_leaf
         and not _is_view(t)
         and not t.is_inference()
         and not _inference_mode_on()
+        and _cache_on()
     ):
-        key = (id(t), dtype)
-        hit = st.cache.get(key)
-        if hit is not None and hit[0] is t and hit[1] == t._version:
-            return hit[2]
-        if _grad_enabled():  # the common case: no context manager to pay for
-            out = to(t) if to is not None else t.to(dtype)
-        else:
-            with _enable_grad():
-                out = to(t) if to is not None else t.to(dtype)
-        st.cache[key] = (t, t._version, out)
-        return out
+        return _cast_cache.lookup(t, dtype, to)
     return to(t) if to is not None else t.to(dtype)
 
 
@@ -99,6 +96,15 @@ def map_tensors(args, dtype, ctx, st):
                 out = list(args)
             out[i] = b
     return args if out is None else tuple(out)
+
+
+def map_kwargs(kwargs, dtype, ctx, st):
+    """``map_tensors`` for keyword arguments (returns ``kwargs`` itself when nothing changed)."""
+    if not kwargs:
+        return kwargs
+    values = tuple(kwargs.values())
+    new_values = map_tensors(values, dtype, ctx, st)
+    return kwargs if new_values is values else dict(zip(kwargs.keys(), new_values))
 
 
 def iter_tensors(args, kwargs):
@@ -127,13 +133,20 @@ def promote_dtype(low: torch.dtype, device_type: str, args, kwargs) -> torch.dty
     return widest
 
 
+def eligible(t, device_type: str) -> bool:
+    """Native's test for an argument autocast may cast: a floating tensor of the region's
+    device type, not float64."""
+    return (
+        isinstance(t, _Tensor) and t.is_floating_point() and t.dtype is not _float64
+        and t.device.type == device_type
+    )
+
+
 def target_dtype(kind: CastKind, low: torch.dtype, device_type: str, args, kwargs) -> torch.dtype | None:
     """The dtype ``kind`` casts a call's floating inputs to (None: run as given), with
-    ``low`` the region's lower precision. Eager casting and the tracing path both ask
-    this; BANNED is the caller's to refuse."""
+    ``low`` the region's lower precision, for the calls the fp8 tracing path casts."""
     if kind is LOWER or kind is FP8:
-        # fp8 calls the fp8 path does not take (ineligible shapes, the aten level, calls
-        # made inside C++ kernels) run in the region's dtype.
+        # fp8 calls the fp8 path does not take run in the region's dtype.
         return low
     if kind is FP32:
         return _float32
@@ -164,53 +177,6 @@ def banned_message(name: str) -> str:
         f"{name} is banned under this autocast policy; run it outside autocast or derive "
         f"a policy without it (Policy.without_ops({name!r}))"
     )
-
-
-# The fp32-unless-dtype functions whose every Python form takes ``dtype=`` as a keyword.
-# (``norm``'s raw overloads do not: ``_VF.norm(x, p, dim)`` has no dtype form without
-# ``keepdim``; it keeps the cast, which matched native's bits on an H100.)
-_TAKE_DTYPE = frozenset({"softmax", "log_softmax", "cumprod", "cumsum", "prod", "sum",
-                         "linalg_vector_norm", "vector_norm", "linalg_matrix_norm", "matrix_norm"})
-
-
-def float32_dtype_kwargs(func, device_type: str, args, kwargs):
-    """The keyword arguments of an fp32-unless-dtype call made as native makes it, or None.
-
-    Native autocast does not cast the input of these ops (softmax, sums, norms): when the
-    first argument is an eligible floating tensor and no dtype is given, it calls the op
-    with ``dtype=torch.float32``, so the op's own dtype path runs, backward included (for
-    ``linalg_vector_norm`` that gradient differs in the last bit from a cast's, measured on
-    an H100). Aten overloads (the aten level, ``_softmax``), ``norm`` and calls with
-    ``out=`` keep the cast. None: not such a call here, cast as ``target_dtype`` says.
-    """
-    if getattr(func, "__name__", None) not in _TAKE_DTYPE or isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return None
-    if kwargs.get("out") is not None:
-        return None
-    first = first_tensor(args, kwargs)
-    if first is None or not first.is_floating_point() or first.dtype is _float64 or first.device.type != device_type:
-        return kwargs  # not eligible: native runs it as given
-    return {**kwargs, "dtype": _float32}
-
-
-def cast_arguments(kind: CastKind, ctx: DeviceContext, args, kwargs, st: ThreadState, func):
-    """Returns (args, kwargs) cast per ``kind``; raises for banned ops."""
-    if kind is BANNED:
-        raise RuntimeError(banned_message(op_name(func)))
-    dtype = target_dtype(kind, ctx.dtype, ctx.device_type, args, kwargs)
-    if dtype is None:
-        return args, kwargs
-    if kind is FP32_UNLESS_DTYPE:
-        with_dtype = float32_dtype_kwargs(func, ctx.device_type, args, kwargs)
-        if with_dtype is not None:
-            return args, with_dtype
-    args = map_tensors(args, dtype, ctx, st)
-    if kwargs:
-        values = tuple(kwargs.values())
-        new_values = map_tensors(values, dtype, ctx, st)
-        if new_values is not values:
-            kwargs = dict(zip(kwargs.keys(), new_values))
-    return args, kwargs
 
 
 def op_name(func) -> str:

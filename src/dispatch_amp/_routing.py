@@ -1,261 +1,161 @@
-"""How the engine handles each call under one policy: the rules turned into routes.
+"""What the engine does with each op under one policy: the rules turned into handlers.
 
-A ``Policy`` holds rules only (op name -> ``CastKind``). The engine needs more per call:
-whether a callable seen by the function level is an op with a kind, a tensor attribute
-getter, a torch Python composite to expand, or an op to decompose (``composites.py``);
-and the kind of each aten overload seen by the aten level. ``Routes`` works that out
-once per callable and memoizes it; :func:`routes_for` keeps one ``Routes`` per distinct
-policy, so the hot path is one dict read.
+A ``Policy`` holds rules only (op name -> ``CastKind``). The kernels need, per aten
+overload, the function that applies the rule (``_handlers.py``), with what it needs from
+the op's schema read once. ``Plan`` works that out per overload on first use and
+memoizes it; :func:`plan_for` keeps one plan per (policy, device type), so the hot path is
+one dict read.
+
+Which overloads a rule covers: every overload of the op except ``out=`` and in-place
+ones (native autocast casts neither), or the ones the policy names (``Policy.overloads_of``).
+Which overloads get a kernel at all
+(``Plan.registered``): those the policy names, and under a policy of our own also those
+native autocast registers for the device type, so that native's kernels never cast a
+call under our region (see "Note: the engine lives in the dispatcher" in ``_engine.py``).
 """
 
 from __future__ import annotations
 
-import types
-from enum import Enum
-
 from torch._ops import OpOverload, OpOverloadPacket
 
-from . import _torch_compat
-from .composites import DECOMPOSITIONS
-from .op_tables import CastKind
-from .policy import BUILTIN_DEVICES, Policy
+import torch
 
-__all__ = ["Route", "Routes", "routes_for", "clone_without_dispatch_check"]
+from . import _handlers, _torch_compat
+from ._cudnn_rnn import cudnn_rnn
+from ._torch_checkpoint import refusing_torch_checkpoint
+from .op_tables import BANNED, FP8, FP32, FP32_UNLESS_DTYPE, LOWER, PROMOTE, CastKind
+from .policy import Policy, castable, castable_overloads
 
+__all__ = ["Plan", "plan_for"]
 
-class Route(Enum):
-    """Function-level routes that are not a cast kind."""
+# Kinds whose handler does not depend on the op's schema. fp8 is the region's lower
+# precision here: the fp8 path takes its calls above the dispatcher (_engine._Fp8Level),
+# and what reaches a kernel (a call made inside another op, an ineligible one) runs in
+# the region's dtype.
+_SIMPLE = {LOWER: _handlers.lower, FP8: _handlers.lower, FP32: _handlers.fp32,
+           PROMOTE: _handlers.promote, BANNED: _handlers.banned}
 
-    # A tensor attribute getter/setter (t.shape, t.grad...): run as given, no bookkeeping.
-    GETTER = "getter"
-    # A Python composite from torch whose body must run with the function level still
-    # active (see _engine._FunctionLevel._expand).
-    EXPAND = "expand"
-
-
-GETTER = Route.GETTER
-EXPAND = Route.EXPAND
-
-# The RNN layers that reach cuDNN's _cudnn_rnn on CUDA (see Routes.__init__).
-_CUDNN_RNN_FUNCTIONS = frozenset({"lstm", "gru", "rnn_tanh", "rnn_relu"})
-
-# Python-level names whose aten op is spelled differently.
-_FUNCTION_ALIASES = {
-    "__matmul__": "matmul",
-    "__rmatmul__": "matmul",
-    "__rpow__": "pow",
-    "cross_entropy": "cross_entropy_loss",
-}
+# Ops native autocast handles with a wrapper of their own rather than its kind's.
+_SPECIAL = {"aten::_cudnn_rnn": cudnn_rnn}
 
 
-def is_torch_python_function(obj) -> bool:
-    """Whether ``obj`` is a plain Python function defined in torch (an empty closure
-    cell, which raises on access, is not)."""
-    try:
-        return isinstance(obj, types.FunctionType) and (obj.__module__ or "").startswith("torch")
-    except ValueError:
-        return False
+def _native_overloads(device_type: str) -> list[OpOverload]:
+    """The overloads native autocast registers for ``device_type``'s key in this torch."""
+    key = _torch_compat.AUTOCAST_KEY_NAMES.get(device_type)
+    found = []
+    for name in _torch_compat.autocast_registration_overloads(key) if key else ():
+        op = _torch_compat.overload_by_name(name)
+        if op is not None:
+            found.append(op)
+    return found
 
 
-def _names_used(code: types.CodeType) -> set[str]:
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):  # nested functions and lambdas
-            names |= _names_used(const)
-    return names
+def _fp32_unless_dtype(op: OpOverload):
+    """The handler of an fp32-unless-dtype rule for this overload, from its schema."""
+    arguments = op._schema.arguments
+    for i, a in enumerate(arguments):
+        if a.name == "dtype":
+            if not isinstance(a.type, torch._C.OptionalType):
+                return _handlers.given  # a required dtype already decides: not native's
+            return _handlers.fp32_set_opt_dtype(None if a.kwarg_only else i)
+    # No dtype argument: native redispatches to the overload that takes one (norm).
+    names = tuple(a.name for a in arguments)
+    for overload in op.overloadpacket.overloads():
+        sibling = getattr(op.overloadpacket, overload)
+        sibling_names = tuple(a.name for a in sibling._schema.arguments)
+        if castable(sibling) and sibling_names == names + ("dtype",):
+            defaults = tuple(a.default_value for a in arguments)
+            return _handlers.fp32_append_dtype(sibling, names, defaults)
+    return _handlers.fp32  # neither: the input cast to float32, the nearest native rule
 
 
-class Routes:
-    """The routes of one policy's rules, memoized per callable and per aten overload.
+class Plan:
+    """The handlers of one policy on one device type, memoized per aten overload.
 
-    ``function[func]`` / :meth:`function_route`: for the function level, a ``CastKind``,
-    ``None`` (run as given), a :class:`Route`, or a decomposition from ``composites.py``.
-    ``aten[func]`` / :meth:`aten_kind`: for the aten level, a ``CastKind`` or ``None``.
+    ``handlers[op]``: the handler the kernel of ``op`` calls (``_handlers.given`` for an
+    op the policy does not cast). ``registered``: the overloads that need a kernel.
 
     Example::
 
         >>> import torch
-        >>> routes = routes_for(Policy.for_device("cpu"))
-        >>> routes.function_route(torch.mm), routes.aten_kind(torch.ops.aten.mm.out)
-        ('lower', None)
+        >>> plan = plan_for(Policy.for_device("cpu"), "cpu")
+        >>> plan.handler(torch.ops.aten.mm.default).__name__
+        'lower'
     """
 
-    __slots__ = ("rules", "function", "aten", "left_to_native")
+    __slots__ = ("policy", "device_type", "handlers", "registered", "_native")
 
-    def __init__(self, policy: Policy):
-        self.rules = policy.rules
-        # Under the built-in CUDA policy native autocast stays on below us, and its
-        # _cudnn_rnn wrapper casts an RNN's weights into a fresh float16 flat buffer (float16
-        # whatever the region's dtype). Casting the call first would round the weights to
-        # the region's dtype before that (bfloat16 then float16: not native's bits, measured
-        # on an H100), so these calls are left to native whole.
-        builtin_cuda = "cuda" in BUILTIN_DEVICES and policy._key == Policy.for_device("cuda")._key
-        self.left_to_native = _CUDNN_RNN_FUNCTIONS if builtin_cuda else frozenset()
-        # Filled on first sight of a callable / overload; the rules never change, so the
-        # memos never need invalidating.
-        self.function: dict = {}
-        self.aten: dict = {}
+    def __init__(self, policy: Policy, device_type: str):
+        self.policy = policy
+        self.device_type = device_type
+        # Filled on first sight of an overload; the rules never change, so the memo
+        # never needs invalidating.
+        self.handlers: dict = {}
+        native = Policy.for_device(device_type)
+        self._native = native
+        ops = [op for name in policy.rules for op in castable_overloads(name) if _kind(policy, op) is not None]
+        if policy._key != native._key:
+            ops += _native_overloads(device_type)
+        self.registered = tuple(dict.fromkeys(ops))
 
-    def function_route(self, func):
-        """How the function level handles ``func`` (memoized when ``func`` is hashable)."""
+    def handler(self, op: OpOverload):
+        """The handler of ``op`` (memoized)."""
         try:
-            return self.function[func]
+            return self.handlers[op]
         except KeyError:
-            pass
-        except TypeError:  # unhashable callable: resolve every time
-            return self._resolve_function(func)
-        route = self.function[func] = self._resolve_function(func)
-        return route
+            handler = self.handlers[op] = self._resolve(op)
+            return handler
 
-    def aten_kind(self, func: OpOverload) -> CastKind | None:
-        """The cast kind of an aten overload seen by the aten level (memoized)."""
-        try:
-            return self.aten[func]
-        except KeyError:
-            kind = self.aten[func] = self._resolve_overload(func)
-            return kind
+    def kind(self, op: OpOverload) -> CastKind | None:
+        """The cast kind the policy gives ``op`` (None: run as given)."""
+        return _kind(self.policy, op)
 
-    def _resolve_function(self, func):
-        if isinstance(func, OpOverload):
-            return self._resolve_overload(func)
-        if isinstance(func, OpOverloadPacket):
-            return self.rules.get(func._qualified_op_name)
-        name = getattr(func, "__name__", None)
-        if name == "__get__" or name == "__set__":
-            return GETTER
-        if isinstance(name, str):
-            name = _FUNCTION_ALIASES.get(name, name)
-            if name in self.left_to_native:
-                return None
-            kind = self.rules.get("aten::" + name)
-            if kind is not None:
-                return kind
-            # An op in no table whose inside native casts: run our Python version of it
-            # (a callable in place of a kind, see composites.py).
-            decomposition = DECOMPOSITIONS.get(name)
-            if decomposition is not None:
-                return decomposition
-        if is_torch_python_function(func) and self._may_reach_a_rule(func, set()):
-            return EXPAND
+    def _resolve(self, op: OpOverload):
+        kind = self.kind(op)
+        if kind is None:
+            handler = _handlers.given
+        elif kind is LOWER and op.overloadpacket._qualified_op_name in _SPECIAL:
+            handler = _SPECIAL[op.overloadpacket._qualified_op_name]
+        elif kind is FP32_UNLESS_DTYPE:
+            handler = _fp32_unless_dtype(op)
+        else:
+            handler = _SIMPLE[kind]
+        if self.policy._key != self._native._key:
+            native_kind = _kind(self._native, op)
+            if native_kind is not kind:
+                handler = refusing_torch_checkpoint(handler, kind, native_kind)
+        return handler
+
+
+def _kind(policy: Policy, op: OpOverload) -> CastKind | None:
+    """The kind ``policy``'s rules give overload ``op`` (None: none covers it)."""
+    if not castable(op):
         return None
-
-    def _may_reach_a_rule(self, func: types.FunctionType, seen: set) -> bool:
-        """Whether a torch Python function may call an op these rules cast.
-
-        Expanding costs a mode re-entry per call, so thin wrappers (F.relu, F.dropout,
-        F.batch_norm) whose code names no op of the policy run whole instead. The check
-        reads every name the code uses (attribute names included), follows the torch
-        Python functions it names or holds in its closure, and answers True whenever in
-        doubt, so it can only err towards expanding.
-        """
-        if func in seen:
-            return False
-        seen.add(func)
-        for name in _names_used(func.__code__):
-            name = _FUNCTION_ALIASES.get(name, name)
-            if "aten::" + name in self.rules or name in DECOMPOSITIONS:
-                return True
-            target = func.__globals__.get(name)
-            if is_torch_python_function(target) and self._may_reach_a_rule(target, seen):
-                return True
-        for cell in func.__closure__ or ():
-            try:
-                target = cell.cell_contents
-            except ValueError:  # empty cell
-                continue
-            if is_torch_python_function(target) and self._may_reach_a_rule(target, seen):
-                return True
-            if callable(target) and not is_torch_python_function(target):
-                return True  # an unknown callable: assume the worst
-        return False
-
-    def _resolve_overload(self, func: OpOverload) -> CastKind | None:
-        # out= and in-place overloads share the packet of the functional op; native
-        # autocast never casts them, so neither do we.
-        schema = func._schema
-        if func._overloadname == "out" or any(
-            a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
-        ):
-            return None
-        return self.rules.get(func.overloadpacket._qualified_op_name)
+    name = op.overloadpacket._qualified_op_name
+    kind = policy.rules.get(name)
+    if kind is None:
+        return None
+    limited = policy._overloads.get(name)
+    return kind if limited is None or op._overloadname in limited else None
 
 
-# Policies are values: equal policies (equal rule keys) share their routes.
-_ROUTES: dict[str, Routes] = {}
+# Policies are values: equal policies (equal rule keys) share their plans.
+_PLANS: dict[tuple[str, str], Plan] = {}
 
 
-def routes_for(policy: Policy) -> Routes:
-    """The (shared, memoized) routes of ``policy``.
-
-    Kept on the policy after the first call: an ``autocast`` built inside a function
-    torch.compile traces reads an attribute, and hashes nothing.
+def plan_for(policy: Policy, device_type: str) -> Plan:
+    """The (shared, memoized) plan of ``policy`` on ``device_type``.
 
     Example::
 
-        >>> routes_for(Policy.for_device("cpu")) is routes_for(Policy.for_device("cpu"))
+        >>> plan_for(Policy.for_device("cpu"), "cpu") is plan_for(Policy.for_device("cpu"), "cpu")
         True
     """
-    routes = policy._routes
-    if routes is None:
-        routes = _ROUTES.get(policy._key)
-        if routes is None:
-            routes = _ROUTES[policy._key] = Routes(policy)
-        policy._routes = routes
-    return routes
-
-
-# The built-in policies' routes exist before any region is opened, traced ones included.
-for _device_type in BUILTIN_DEVICES:
-    routes_for(Policy.for_device(_device_type))
-del _device_type
-
-
-# -- running a composite with the function level active ------------------------------
-def _never(*args, **kwargs) -> bool:
-    return False
-
-
-_CLONES: dict = {}
-_CLONING: set = set()
-
-
-def clone_without_dispatch_check(func: types.FunctionType) -> types.FunctionType:
-    """A copy of a torch Python composite whose ``has_torch_function*`` checks say False.
-
-    Torch's Python functions start with ``if has_torch_function(...): return
-    handle_torch_function(...)``, which sends them to our mode instead of running their
-    body. The copy shares the code and closure but reads those three names from a
-    private globals dict, so its body runs with our mode active and every call inside it
-    is seen. Nothing in torch is modified.
-    """
-    clone = _CLONES.get(func)
-    if clone is None:
-        scope = dict(func.__globals__)
-        scope["has_torch_function"] = _never
-        scope["has_torch_function_unary"] = _never
-        scope["has_torch_function_variadic"] = _never
-        closure = func.__closure__
-        if closure:
-            # Wrappers such as torch's boolean_dispatch (torch.lu, F.max_pool2d) hold the
-            # real function in their closure; it checks again, so it is cloned too
-            # (except a cell holding a function being cloned: wrappers refer to themselves).
-            _CLONING.add(func)
-            try:
-                closure = tuple(
-                    types.CellType(clone_without_dispatch_check(cell.cell_contents))
-                    if is_torch_python_function(cell.cell_contents)
-                    and cell.cell_contents not in _CLONING
-                    else cell
-                    for cell in closure
-                )
-            finally:
-                _CLONING.discard(func)
-        clone = types.FunctionType(
-            func.__code__, scope, func.__name__, func.__defaults__, closure
-        )
-        clone.__kwdefaults__ = func.__kwdefaults__
-        _CLONES[func] = clone
-    return clone
+    key = (policy._key, device_type)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = Plan(policy, device_type)
+    return plan
 
 
 _torch_compat.keep_out_of_dynamo(globals(), __name__)

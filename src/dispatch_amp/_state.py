@@ -1,8 +1,8 @@
 """Per-thread state of the open regions, and torch's autocast nesting counter.
 
-``autocast`` pushes a frame (device type -> ``DeviceContext``) per region; the levels of
-``_engine.py`` read the innermost one from ``STATE``. See "Note: cast where native casts"
-in ``_engine.py``.
+``autocast`` pushes a frame (device type -> ``DeviceContext``) per region; the kernels of
+``_kernels.py`` read the innermost one from ``STATE``. See "Note: the engine lives in the
+dispatcher" in ``_engine.py``.
 """
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _torch_compat
-from ._routing import Routes, routes_for
+from ._routing import Plan, plan_for
 from .policy import Policy
 
 _Tensor = torch.Tensor
@@ -41,10 +41,10 @@ class DeviceContext:
     on_device: Callable[[torch.Tensor], bool] = field(init=False, repr=False, compare=False)
     # Whether the policy is not native autocast's table for this device type.
     custom: bool = field(init=False, repr=False, compare=False)
-    # How the engine handles each call under the policy (see _routing.py).
-    routes: Routes = field(init=False, repr=False, compare=False)
-    # Native autocast's dispatch key for this device type (None for one torch lacks).
-    autocast_key: object = field(init=False, repr=False, compare=False)
+    # What the kernels do with each op under this policy on this device type (_routing.py).
+    plan: Plan = field(init=False, repr=False, compare=False)
+    # plan.handlers, read directly on the hot path.
+    handlers: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         test = _DEVICE_TESTS.get(self.device_type)
@@ -52,8 +52,9 @@ class DeviceContext:
         object.__setattr__(self, "on_device", test if test is not None else (lambda t: t.device.type == device_type))
         native = Policy.for_device(device_type)
         object.__setattr__(self, "custom", self.policy is not native and self.policy._key != native._key)
-        object.__setattr__(self, "routes", routes_for(self.policy))
-        object.__setattr__(self, "autocast_key", _torch_compat.AUTOCAST_KEYS.get(device_type))
+        plan = plan_for(self.policy, device_type)
+        object.__setattr__(self, "plan", plan)
+        object.__setattr__(self, "handlers", plan.handlers)
 
 
 class ThreadState(threading.local):
@@ -70,32 +71,20 @@ class ThreadState(threading.local):
         # one (the common case), so the hot path needs no device lookup.
         self.active: tuple[DeviceContext, ...] = ()
         self.primary: DeviceContext | None = None
-        # Device types of `active` whose policy is not native's: native autocast is
-        # switched off for them around calls (see "Note: torch sees our state...").
-        self.native_devices: tuple[str, ...] = ()
         # depths[-1]: a deeper nesting counter means a native region inside our innermost.
         self.native_depth: int = -1
-        # The installed levels (None: not installed) and the frame index that installed
-        # each. The function level is installed (on torch's function-mode stack) by the
-        # outermost enabled region. The aten level is installed only by a region with a
-        # policy of its own (see "Note: torch sees our state as native state": under a
-        # built-in policy native autocast casts what the aten level would); it goes on
-        # the dispatch stack only around the calls where it has work (_call_aside). One
-        # function level object per thread, pushed again each time, so torch.compile sees
-        # the same mode on the stack from region to region.
-        self.function_level: TorchFunctionMode | None = None
-        self.function_installer: int = -1
-        self.aten_level: TorchDispatchMode | None = None
-        self.aten_installer: int = -1
-        self.function_mode: TorchFunctionMode | None = None  # made on first use
-        # Frames that pushed the installed function level again, where torch ran them
-        # with an empty function-mode stack (see _engine._push_frame); each takes it off
-        # when it closes.
-        self.function_repushers: list[int] = []
-        # Weight-cast cache: (id(src), dtype) -> (src, src._version, cast).
-        self.cache: dict = {}
-        # Python composites currently being expanded (guards against re-dispatch loops).
-        self.expanding: set = set()
+        # Whether this thread's dispatch-key state has our key switched on (_dispatch_key),
+        # and what torch's "privateuseone" autocast dtype was before we first set it.
+        self.key_on: bool = False
+        self.token_saved = None
+        # The fp8 function level (a TorchFunctionMode, only while a region with an fp8
+        # recipe is in force: see _engine._Fp8Level) and the frame index that installed
+        # it; frames that pushed it again where torch emptied the function-mode stack (an
+        # autograd Function's backward), each taking it off when it closes.
+        self.fp8_level: TorchFunctionMode | None = None
+        self.fp8_installer: int = -1
+        self.fp8_mode: TorchFunctionMode | None = None  # made on first use
+        self.fp8_repushers: list[int] = []
         # >0 while dispatch_amp.checkpoint runs its function: it recomputes under our state.
         self.own_checkpoint: int = 0
 

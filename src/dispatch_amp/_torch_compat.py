@@ -7,33 +7,24 @@ tested with, instead of an AttributeError deep inside a forward pass.
 
 What each is for:
 
-- the Python dispatch-mode stack (``_len_torch_dispatch_stack``, ``_get_dispatch_stack_at``,
-  ``_pop_torch_dispatch_stack``, ``_push_on_torch_dispatch_stack``): the function level
-  puts the aten level on the stack around the calls where it has work
-  (``_engine._call_aside``);
 - the function-mode stack (``_len_torch_function_stack``, ``_get_function_stack_at``,
   ``_pop_torch_function_stack``, ``_push_on_torch_function_stack``): a region takes the
-  function level off the stack from wherever it is, not from the top
+  fp8 level off the stack from wherever it is, not from the top
   (``_engine._take_off_function_stack``), and puts it back where torch emptied the stack
   (an autograd Function's backward);
-- ``_are_functorch_transforms_active``: inside torch.func transforms the function level
-  leaves calls to native autocast under a built-in policy;
-- ``_dispatch_tls_is_dispatch_key_excluded``: whether torch has switched autocast off
-  below Python for this thread, as it does while a compiled graph runs (its casts are
-  already in the graph), so the function level stands aside there too;
+- the thread's dispatch-key sets (``_dispatch_tls_set_dispatch_key_included`` and
+  ``..._excluded``) and ``torch.library``'s fallthrough: our autocast key
+  (``_dispatch_key.py``);
 - Dynamo's frame hook (``set_eval_frame``) and ``skip_code``: our own frames are kept out
-  of Dynamo (see "Note: Dynamo and our frames" in ``_engine.py``);
-  ``assume_constant_result``: the tracing path asks our thread state how to cast a call
-  once, at trace time (see "Note: torch.compile" in ``_engine.py``);
+  of Dynamo (see ``keep_out_of_dynamo``); ``assume_constant_result``: the fp8 tracing path
+  asks our thread state once, at trace time; Dynamo's compile-start and -end callbacks
+  (``torch._dynamo.callback``): the engine's ``_CompileHooks``;
 - ``_top_saved_tensors_default_hooks`` and ``torch.utils.checkpoint.CheckpointFunction``:
   telling whether torch's checkpoint is running, to refuse it under a custom policy;
 - ``Tensor._is_view``: native's weight-cast cache skips views, and so does ours;
 - ``_dispatch_get_registrations_for_dispatch_key``: the ops native autocast handles in
-  the installed torch, which the built-in policies follow (``policy._builtin_table``).
-
-``_routing.clone_without_dispatch_check`` also relies on torch's Python composites
-reading ``has_torch_function*`` from their module globals; tests that expand
-``F.multi_head_attention_forward`` and ``F.interpolate`` cover it.
+  the installed torch, which the built-in policies follow (``policy._builtin_table``) and
+  which get a kernel of ours under a policy of our own (``_routing.Plan``).
 """
 
 from __future__ import annotations
@@ -65,10 +56,6 @@ def _lookup(owner, dotted: str, name: str):
         return None
 
 
-len_dispatch_stack = _lookup(torch._C, "torch._C", "_len_torch_dispatch_stack")
-dispatch_stack_at = _lookup(torch._C, "torch._C", "_get_dispatch_stack_at")
-pop_dispatch_stack = _lookup(torch._C, "torch._C", "_pop_torch_dispatch_stack")
-push_dispatch_stack = _lookup(torch._C, "torch._C", "_push_on_torch_dispatch_stack")
 top_saved_tensors_hooks = _lookup(
     torch._C._autograd, "torch._C._autograd", "_top_saved_tensors_default_hooks"
 )
@@ -77,14 +64,24 @@ reentrant_checkpoint_function = _lookup(
 )
 tensor_is_view = _lookup(torch.Tensor, "torch.Tensor", "_is_view")
 dispatch_key_excluded = _lookup(torch._C, "torch._C", "_dispatch_tls_is_dispatch_key_excluded")
+dispatch_key_included = _lookup(torch._C, "torch._C", "_dispatch_tls_is_dispatch_key_included")
+set_dispatch_key_included = _lookup(torch._C, "torch._C", "_dispatch_tls_set_dispatch_key_included")
+set_dispatch_key_excluded = _lookup(torch._C, "torch._C", "_dispatch_tls_set_dispatch_key_excluded")
+_lookup(torch._C, "torch._C", "_DisableAutocast")
+_lookup(torch._C, "torch._C", "_ExcludeDispatchKeyGuard")
 len_function_stack = _lookup(torch._C, "torch._C", "_len_torch_function_stack")
-functorch_transforms_active = _lookup(torch._C, "torch._C", "_are_functorch_transforms_active")
 function_stack_at = _lookup(torch._C, "torch._C", "_get_function_stack_at")
 pop_function_stack = _lookup(torch._C, "torch._C", "_pop_torch_function_stack")
 push_function_stack = _lookup(torch._C, "torch._C", "_push_on_torch_function_stack")
 _registrations_for_key = _lookup(
     torch._C, "torch._C", "_dispatch_get_registrations_for_dispatch_key"
 )
+
+try:
+    from torch._dynamo.callback import callback_handler as _callbacks
+except ImportError:
+    _missing.append("torch._dynamo.callback.callback_handler")
+    _callbacks = None
 
 try:
     from torch._C._dynamo.eval_frame import set_eval_frame
@@ -107,9 +104,9 @@ except ImportError:
 disarm_dynamo = functools.partial(set_eval_frame, None) if set_eval_frame is not None else None
 rearm_dynamo = set_eval_frame
 
-# The dispatch key of native autocast for each device type we know by name.
-AUTOCAST_KEYS = {
-    name.removeprefix("Autocast").lower(): getattr(torch._C.DispatchKey, name)
+# The name of native autocast's dispatch key for each device type we know by name.
+AUTOCAST_KEY_NAMES = {
+    name.removeprefix("Autocast").lower(): name
     for name in dir(torch._C.DispatchKey)
     if name.startswith("Autocast") and name != "Autocast"
 }
@@ -128,6 +125,34 @@ if _missing:
     )
 
 
+def autocast_registration_overloads(key: str) -> tuple[str, ...]:
+    """The overloads (``"aten::pow.Tensor_Scalar"``, ``"aten::mm"`` for a default one)
+    native autocast registers for dispatch key ``key`` in this torch."""
+    return tuple(_registrations_for_key(key))
+
+
+def overload_by_name(name: str):
+    """The ``OpOverload`` named ``"namespace::op"`` or ``"namespace::op.overload"``, or
+    None where this torch has no such op."""
+    namespace, _, rest = name.partition("::")
+    op_name, _, overload = rest.partition(".")
+    try:
+        return getattr(getattr(getattr(torch.ops, namespace), op_name), overload or "default")
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def on_compile_start(callback) -> None:
+    """Calls ``callback(*args)`` when Dynamo starts compiling a frame (its arguments differ
+    between torch releases)."""
+    _callbacks.register_start_callback(callback)
+
+
+def on_compile_end(callback) -> None:
+    """Calls ``callback(*args)`` when Dynamo has finished compiling a frame."""
+    _callbacks.register_end_callback(callback)
+
+
 def autocast_registrations(key: str) -> frozenset[str]:
     """The ops (``"aten::mm"``, overloads folded into their op) that native autocast
     registers for dispatch key ``key`` ("AutocastCPU", "AutocastCUDA") in this torch."""
@@ -143,7 +168,7 @@ def keep_out_of_dynamo(namespace: dict, module_name: str) -> None:
     Code after a graph break in a compiled function runs eagerly with Dynamo's frame hook
     armed, and the engine's frames would be compiled as user frames: specialized for
     tracing, broken at every C call. Dynamo still inlines them when it traces a call
-    under the function level (see "Note: torch.compile" in ``_engine.py``).
+    under the fp8 level (see "Note: torch.compile" in ``_engine.py``).
     """
     for value in list(namespace.values()):
         functions = [value]
@@ -151,4 +176,13 @@ def keep_out_of_dynamo(namespace: dict, module_name: str) -> None:
             functions = [getattr(f, "__func__", f) for f in vars(value).values()]
         for f in functions:
             if isinstance(f, types.FunctionType) and f.__module__ == module_name:
-                skip_code(f.__code__)
+                _skip_with_nested(f.__code__)
+
+
+def _skip_with_nested(code: types.CodeType) -> None:
+    # Closures made at run time (a kernel per op, a handler per schema) share the code
+    # objects nested in their maker's: those are marked too.
+    skip_code(code)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            _skip_with_nested(const)

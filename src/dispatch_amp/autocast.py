@@ -400,9 +400,11 @@ class autocast:
     def __call__(self, func):
         """Decorates ``func`` to run inside this context (generator functions are refused)."""
         if not callable(func):
+            # torch's own words first (code matches on them), then ours.
             raise TypeError(
-                f"autocast(...)(func) expects a callable, got {type(func).__name__}; to run "
-                f"code in the region use it as a context manager: `with autocast(...):`"
+                f"autocast()(func) requires a callable, but got {type(func).__name__}. Did you "
+                f"mean to use autocast as a context manager? To run code in the region: "
+                f"`with dispatch_amp.autocast(device_type=...): output = model(input)`"
             )
         if inspect.isgeneratorfunction(func) or inspect.iscoroutinefunction(func):
             raise TypeError(

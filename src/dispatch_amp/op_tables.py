@@ -5,15 +5,12 @@ so every overload of the op follows the rule). ``policy.py`` resolves every name
 ``torch.ops.aten`` when it is imported, so a typo fails loudly, and rejects a name that
 appears under two kinds.
 
-One table serves both levels of the engine (see the note "cast where native casts" in
-``_engine.py``):
-
-- the function level (above autograd) looks up the user-facing call by its aten name:
-  ``torch.mm``, ``Tensor.mm`` and ``F.linear`` reach ``mm`` and ``linear``; composite
-  ops such as ``linear``, ``conv2d`` or ``cross_entropy_loss`` are cast whole, where
-  native autocast casts them;
-- the dispatch level (below autograd) sees ops after decomposition (``_softmax``,
-  ``native_layer_norm``, ``convolution``...), which is why those names are listed too.
+The engine registers a kernel of its own in the dispatcher for each op of the policy in
+force (see "Note: the engine lives in the dispatcher" in ``_engine.py``), where native
+autocast registers its own: at composite ops before they decompose (``linear``,
+``conv2d``, ``layer_norm``) and at primitive ops called from anywhere, inside C++ kernels
+and torch's Python composites too. So the tables hold native's names, and an op such as
+``einsum`` that native leaves alone is left alone: the ``bmm`` inside it is cast.
 
 Kinds:
     lower             run in the context's dtype (float16 / bfloat16)
@@ -29,12 +26,11 @@ AutocastXPU and AutocastMPS dispatch keys), as the union over the supported torc
 Intel GPUs (``xpu``) get CUDA's lists less the entries only CUDA registers; Apple GPUs
 (``mps``) have a table of their own, in which the ops CUDA runs in float32 unless the caller
 passes ``dtype=`` (``softmax``, ``sum``...) are plain float32, as native registers them. Native's table changes
-from version to version: CUDA ``rms_norm`` is registered from torch 2.12 on, and torch
-2.14 removed ``cholesky`` and ``qr`` and added ``linalg_matrix_sqrth``. So the built-in policy is
-built from the installed torch (``policy._builtin_table``): a name native autocast
-registers is kept only where the installed torch registers it for the device's key. The
-names native never registers are in ``CUDA_OWN``, ``CPU_OWN`` and ``MPS_OWN``, each with
-the native entry it follows. ``tests/test_native_registrations.py`` walks the installed torch's
+from version to version: CUDA ``rms_norm`` is registered from torch 2.12 on, torch
+2.14 removed ``cholesky`` and ``qr`` and added ``linalg_matrix_sqrth``, and only CUDA builds
+register ``_cudnn_rnn``. So the built-in policy is built from the installed torch
+(``policy._builtin_table``): a name is kept only where the installed torch registers it
+for the device's key. ``tests/test_native_registrations.py`` walks the installed torch's
 registrations and checks every entry against a user-facing call.
 """
 
@@ -81,19 +77,20 @@ FP8_OPS = ("linear",)
 
 CUDA_TABLE = {
     LOWER: (
-        # convolutions (composite entry points and what they decompose into)
+        # convolutions
         "conv1d", "conv2d", "conv3d", "conv_tbc",
         "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
         "convolution", "_convolution", "cudnn_convolution", "cudnn_convolution_transpose",
         # matrix products
-        "linear", "matmul", "linalg_matmul", "mm", "mv", "bmm", "addmm", "addmv", "addr",
+        "linear", "matmul", "mm", "mv", "bmm", "addmm", "addmv", "addr",
         "addbmm", "baddbmm", "einsum", "chain_matmul", "linalg_multi_dot", "linalg_vecdot",
-        # recurrent cells and layers (cuDNN's RNN casts its flattened weights itself)
+        # recurrent cells
         "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
-        "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "lstm", "gru", "rnn_tanh", "rnn_relu",
-        # (CUDA builds also register _cudnn_rnn, which native casts to float16 and
-        # re-flattens; it is not listed. Under the built-in CUDA policy the layers above it
-        # are left to native whole (_routing.Routes); a policy of one's own casts them whole.)
+        "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell",
+        # cuDNN's RNN (CUDA builds only): native casts its weights, input and states to
+        # float16 whatever the region's dtype and lays the weights out in one flat buffer;
+        # _cudnn_rnn.py does the same
+        "_cudnn_rnn",
         # attention
         "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
         # misc
@@ -104,20 +101,20 @@ CUDA_TABLE = {
         "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",
         "reciprocal", "rsqrt", "sinh", "tan", "pow", "softplus",
         # normalizations (composite names and their decompositions)
-        "layer_norm", "native_layer_norm", "group_norm", "native_group_norm",
-        "rms_norm", "_fused_rms_norm", "frobenius_norm", "nuclear_norm",
+        "layer_norm", "native_layer_norm", "group_norm",
+        "rms_norm", "frobenius_norm", "nuclear_norm",
         # distances and similarities
         "cosine_similarity", "dist", "pdist", "cdist", "renorm", "logsumexp",
         # linear algebra (torch 2.14 and later)
         "linalg_matrix_sqrth",
         # losses
-        "poisson_nll_loss", "cosine_embedding_loss", "nll_loss", "nll_loss_forward",
-        "nll_loss2d", "nll_loss2d_forward", "hinge_embedding_loss", "kl_div", "l1_loss",
+        "poisson_nll_loss", "cosine_embedding_loss", "nll_loss",
+        "nll_loss2d", "hinge_embedding_loss", "kl_div", "l1_loss",
         "smooth_l1_loss", "huber_loss", "mse_loss", "margin_ranking_loss",
         "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss",
         "multi_margin_loss", "binary_cross_entropy_with_logits",
         # (cross_entropy_loss is in no list: native leaves it to its C++ composite, whose
-        # log_softmax keeps the input's dtype; composites.py rebuilds it from the same calls.)
+        # log_softmax gets the input's dtype, then nll_loss runs in float32.)
         # resampling
         "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
         "_upsample_nearest_exact1d", "_upsample_nearest_exact2d", "_upsample_nearest_exact3d",
@@ -125,8 +122,9 @@ CUDA_TABLE = {
         "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_bicubic2d_aa",
     ),
     FP32_UNLESS_DTYPE: (
-        "softmax", "_softmax", "log_softmax", "_log_softmax",
-        "cumprod", "cumsum", "prod", "sum",
+        "softmax", "log_softmax", "cumprod", "cumsum", "prod", "sum",
+        # norm's overloads without a dtype argument get one appended (native's
+        # fp32_append_dtype wrapper), the others keep their explicit dtype
         "norm", "linalg_vector_norm", "linalg_matrix_norm",
     ),
     PROMOTE: (
@@ -144,18 +142,10 @@ CPU_TABLE = {
         # so torch._convolution with the current signature is cast too (native: fp32).
         # `convolution` is not registered on CPU: torch.convolution runs as given there.
         "_convolution",
-        "linear", "matmul", "linalg_matmul", "mm", "bmm", "addmm", "addbmm", "baddbmm",
+        "linear", "matmul", "mm", "bmm", "addmm", "addbmm", "baddbmm",
         "_addmm_activation", "linalg_vecdot",
-        # CPU autocast has no entry for these composites, but each one reaches mm/bmm
-        # inside C++ where native casts above autograd and nothing else in it changes the
-        # result dtype; casting them whole is where our function level can do the same.
-        # (gru, gru_cell and lstm_cell are not here: natively their gates mix the bf16
-        # matmuls with the fp32 state and come out fp32; bilinear reaches _trilinear,
-        # which native leaves alone.)
-        "einsum", "tensordot", "chain_matmul", "linalg_multi_dot", "inner",
-        "mkldnn_rnn_layer", "lstm", "rnn_tanh", "rnn_relu", "rnn_tanh_cell", "rnn_relu_cell",
-        "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
-        "_native_multi_head_attention",
+        "mkldnn_rnn_layer",
+        "scaled_dot_product_attention", "_native_multi_head_attention",
         "prelu",
     ),
     FP32: (
@@ -185,8 +175,8 @@ CPU_TABLE = {
         "fake_quantize_per_tensor_affine",
         # losses
         "binary_cross_entropy", "binary_cross_entropy_with_logits", "cross_entropy_loss",
-        "mse_loss", "cosine_embedding_loss", "nll_loss", "nll_loss_forward", "nll_loss2d",
-        "nll_loss2d_forward", "hinge_embedding_loss", "poisson_nll_loss", "smooth_l1_loss",
+        "mse_loss", "cosine_embedding_loss", "nll_loss", "nll_loss2d",
+        "hinge_embedding_loss", "poisson_nll_loss", "smooth_l1_loss",
         "l1_loss", "huber_loss", "margin_ranking_loss", "soft_margin_loss",
         "triplet_margin_loss", "multi_margin_loss", "ctc_loss", "kl_div",
         "multilabel_margin_loss", "multilabel_margin_loss_forward",
@@ -196,43 +186,17 @@ CPU_TABLE = {
     BANNED: (),
 }
 
-# The names of each table that native autocast does not register for the device's key,
-# mapped to the native entry each one follows. An aten op that a registered composite
-# reaches after it decomposes (``_fused_rms_norm`` under ``rms_norm``) is cast only where
-# that composite is registered: where native leaves the composite alone (torch 2.11 has
-# no CUDA rms_norm), it leaves what the composite reaches alone too. ``None``: a
-# composite cast whole on our own account (native casts the matmuls inside it), kept
-# wherever torch has the op.
-CUDA_OWN = {
-    "linalg_matmul": "matmul",
-    "lstm": None, "gru": None, "rnn_tanh": None, "rnn_relu": None,
-    "native_group_norm": "group_norm",
-    "_fused_rms_norm": "rms_norm",
-    "nll_loss_forward": "nll_loss", "nll_loss2d_forward": "nll_loss2d",
-    "_softmax": "softmax", "_log_softmax": "log_softmax",
-}
-
-CPU_OWN = {
-    "linalg_matmul": "matmul",
-    "einsum": None, "tensordot": None, "chain_matmul": None, "linalg_multi_dot": None,
-    "inner": None, "lstm": None, "rnn_tanh": None, "rnn_relu": None,
-    "rnn_tanh_cell": None, "rnn_relu_cell": None,
-    "_scaled_dot_product_flash_attention_for_cpu": "scaled_dot_product_attention",
-    "nll_loss_forward": "nll_loss", "nll_loss2d_forward": "nll_loss2d",
-}
-
 # Intel GPUs: native registers AutocastXPU from the same lists as AutocastCUDA, except the
 # entries CUDA registers on their own: cuDNN's convolutions and linalg_matrix_sqrth.
-_CUDA_ONLY = frozenset({"cudnn_convolution", "cudnn_convolution_transpose", "linalg_matrix_sqrth"})
+_CUDA_ONLY = frozenset({"cudnn_convolution", "cudnn_convolution_transpose", "linalg_matrix_sqrth", "_cudnn_rnn"})
 XPU_TABLE = {kind: tuple(n for n in names if n not in _CUDA_ONLY) for kind, names in CUDA_TABLE.items()}
-XPU_OWN = dict(CUDA_OWN)
 
 # Apple GPUs (the AutocastMPS list of native autocast).
 MPS_TABLE = {
     LOWER: (
         "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d", "conv_transpose2d",
         "convolution", "_convolution", "_mps_convolution",
-        "linear", "matmul", "linalg_matmul", "mm", "mv", "bmm", "addmm", "addmv", "addr",
+        "linear", "matmul", "mm", "mv", "bmm", "addmm", "addmv", "addr",
         "addbmm", "baddbmm", "einsum", "chain_matmul", "linalg_multi_dot",
         "lstm_cell", "scaled_dot_product_attention", "prelu",
     ),
@@ -241,17 +205,17 @@ MPS_TABLE = {
         "conv_transpose3d",
         "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",
         "reciprocal", "rsqrt", "sinh", "tan", "pow", "softplus",
-        "layer_norm", "native_layer_norm", "group_norm", "native_group_norm", "batch_norm",
+        "layer_norm", "native_layer_norm", "group_norm", "batch_norm",
         "frobenius_norm", "nuclear_norm",
         "cosine_similarity", "dist", "pdist", "cdist", "renorm", "logsumexp",
-        "poisson_nll_loss", "cosine_embedding_loss", "nll_loss", "nll_loss_forward",
-        "nll_loss2d", "nll_loss2d_forward", "hinge_embedding_loss", "kl_div", "l1_loss",
+        "poisson_nll_loss", "cosine_embedding_loss", "nll_loss",
+        "nll_loss2d", "hinge_embedding_loss", "kl_div", "l1_loss",
         "smooth_l1_loss", "huber_loss", "mse_loss", "margin_ranking_loss",
         "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss",
-        "multi_margin_loss", "binary_cross_entropy_with_logits", "cross_entropy_loss",
+        "multi_margin_loss", "binary_cross_entropy_with_logits",
         # CUDA's fp32_unless_dtype ops; MPS casts their inputs to float32 and keeps the
         # caller's dtype= argument, so an explicit dtype still decides the output.
-        "softmax", "_softmax", "log_softmax", "_log_softmax",
+        "softmax", "log_softmax",
         "cumprod", "cumsum", "prod", "sum", "linalg_vector_norm", "linalg_matrix_norm",
     ),
     FP32_UNLESS_DTYPE: (),
@@ -263,18 +227,11 @@ MPS_TABLE = {
     BANNED: (),
 }
 
-MPS_OWN = {
-    "linalg_matmul": "matmul",
-    "native_group_norm": "group_norm",
-    "nll_loss_forward": "nll_loss", "nll_loss2d_forward": "nll_loss2d",
-    "cross_entropy_loss": None,
-    "_softmax": "softmax", "_log_softmax": "log_softmax",
-}
 
-# device type -> (table, names of ours in it, native autocast's dispatch key for it)
+# device type -> (table, native autocast's dispatch key for it)
 DEVICE_TABLES = {
-    "cuda": (CUDA_TABLE, CUDA_OWN, "AutocastCUDA"),
-    "cpu": (CPU_TABLE, CPU_OWN, "AutocastCPU"),
-    "xpu": (XPU_TABLE, XPU_OWN, "AutocastXPU"),
-    "mps": (MPS_TABLE, MPS_OWN, "AutocastMPS"),
+    "cuda": (CUDA_TABLE, "AutocastCUDA"),
+    "cpu": (CPU_TABLE, "AutocastCPU"),
+    "xpu": (XPU_TABLE, "AutocastXPU"),
+    "mps": (MPS_TABLE, "AutocastMPS"),
 }

@@ -30,12 +30,13 @@ __all__ = ["Policy", "CastKind", "LOWER", "FP32", "FP32_UNLESS_DTYPE", "PROMOTE"
 OpLike = str | OpOverloadPacket | OpOverload
 
 
-def _qualified_name(op: OpLike) -> str:
-    """Returns ``namespace::name`` for an op given as a packet, an overload or a string."""
+def _resolve(op: OpLike) -> tuple[str, str | None]:
+    """``(namespace::name, overload or None)`` for an op given as a packet, an overload or
+    a string (``"mm"``, ``"aten::mm"``, ``"aten::pow.Tensor_Scalar"``)."""
     if isinstance(op, OpOverload):
-        return op.overloadpacket._qualified_op_name
+        return op.overloadpacket._qualified_op_name, op._overloadname
     if isinstance(op, OpOverloadPacket):
-        return op._qualified_op_name
+        return op._qualified_op_name, None
     if not isinstance(op, str):
         raise TypeError(
             f"an op must be a string such as 'aten::mm', a torch.ops packet or an overload, "
@@ -44,8 +45,7 @@ def _qualified_name(op: OpLike) -> str:
     namespace, sep, name = op.partition("::")
     if not sep:
         namespace, name = "aten", op
-    # An overload suffix ("pow.Tensor_Scalar") names the packet: rules apply per op.
-    name = name.split(".", 1)[0]
+    name, _, overload = name.partition(".")
     try:
         packet = getattr(getattr(torch.ops, namespace), name)
     except (AttributeError, RuntimeError):
@@ -55,7 +55,32 @@ def _qualified_name(op: OpLike) -> str:
             f"unknown op {namespace}::{name}: no such operator is registered with torch.ops "
             f"(check the spelling, or register the custom op before building the policy)"
         )
-    return packet._qualified_op_name
+    if overload and overload not in packet.overloads():
+        raise ValueError(
+            f"unknown overload {overload!r} of {packet._qualified_op_name}: it has "
+            f"{sorted(packet.overloads())}"
+        )
+    return packet._qualified_op_name, overload or None
+
+
+def _qualified_name(op: OpLike) -> str:
+    """``namespace::name`` of the op (its packet) given as a packet, an overload or a string."""
+    return _resolve(op)[0]
+
+
+def castable(op: OpOverload) -> bool:
+    """Whether a rule may cover overload ``op``: not ``out=``, not in-place (native
+    autocast casts neither)."""
+    if op._overloadname == "out" or op._overloadname.endswith("_out"):
+        return False
+    return not any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
+
+
+def castable_overloads(name: str) -> list[OpOverload]:
+    """The overloads of op ``namespace::name`` a rule may cover (see ``castable``)."""
+    namespace, _, op_name = name.partition("::")
+    packet = getattr(getattr(torch.ops, namespace), op_name)
+    return [op for op in (getattr(packet, o) for o in packet.overloads()) if castable(op)]
 
 
 def _cast_kind(kind) -> CastKind:
@@ -66,18 +91,22 @@ def _cast_kind(kind) -> CastKind:
         raise ValueError(f"unknown cast kind {kind!r}; kinds are {[k.value for k in KINDS]}") from None
 
 
-def _rules_from_table(table: Mapping[str, Iterable[OpLike]]) -> dict[str, CastKind]:
+def _rules_from_table(table: Mapping[str, Iterable[OpLike]]) -> tuple[dict[str, CastKind], dict[str, frozenset]]:
+    """``(rules, overloads)``: op name -> kind, and op name -> the overloads a rule is
+    limited to, for the ops named by overload (``"aten::mm.default"``)."""
     unknown = sorted(str(k) for k in table if k not in KINDS)
     if unknown:
         raise ValueError(f"unknown cast kind(s) {unknown}; kinds are {[k.value for k in KINDS]}")
     rules: dict[str, CastKind] = {}
+    overloads: dict[str, set] = {}
+    whole: set = set()
     for kind, ops in table.items():
         kind = _cast_kind(kind)
         if isinstance(ops, (str, OpOverload, OpOverloadPacket)):
             raise TypeError(f"the ops of kind {kind!r} must be a list of ops, not a single op")
         for op in ops:
-            name = _qualified_name(op)
-            if name in rules:
+            name, overload = _resolve(op)
+            if name in rules and (rules[name] is not kind or overload is None or name in whole):
                 raise ValueError(
                     f"{name} is registered twice, as {rules[name]!r} and as {kind!r}: "
                     f"an op has exactly one cast kind"
@@ -88,7 +117,11 @@ def _rules_from_table(table: Mapping[str, Iterable[OpLike]]) -> dict[str, CastKi
                     f"(a gemm with a 2-D weight, forward and both gradients)"
                 )
             rules[name] = kind
-    return rules
+            if overload is None:
+                whole.add(name)
+            else:
+                overloads.setdefault(name, set()).add(overload)
+    return rules, {name: frozenset(names) for name, names in overloads.items()}
 
 
 _FP8_NAMES = tuple(f"aten::{op}" for op in FP8_OPS)
@@ -109,18 +142,18 @@ class Policy:
         p2.kind_of("mm"), p2.kind_of("conv2d")  # ('fp32', None)
     """
 
-    __slots__ = ("name", "_rules", "_key", "_routes")
+    __slots__ = ("name", "_rules", "_overloads", "_key")
 
     def __init__(self, table: Mapping[str, Iterable[OpLike]], *, name: str = "custom"):
         self.name = name
-        rules = _rules_from_table(table)
+        rules, overloads = _rules_from_table(table)
         self._rules: Mapping[str, CastKind] = types.MappingProxyType(rules)
+        # op name -> the overloads its rule is limited to (ops named by overload only).
+        self._overloads: Mapping[str, frozenset] = types.MappingProxyType(overloads)
         # The rules spelled as one string: equality and hashing compare it. The engine
         # compares keys rather than policies on paths torch.compile traces, where Dynamo
         # before torch 2.13 refuses to call a user class's __hash__.
-        self._key = "\n".join(sorted(f"{op} {kind.value}" for op, kind in rules.items()))
-        # The engine's routes for these rules (_routing.routes_for), made on first use.
-        self._routes = None
+        self._key = "\n".join(sorted(f"{entry} {kind.value}" for entry, kind in self._entries()))
 
     @classmethod
     def for_device(cls, device_type: str) -> Policy:
@@ -142,12 +175,36 @@ class Policy:
     # -- reading ------------------------------------------------------------------------
     @property
     def rules(self) -> Mapping[str, CastKind]:
-        """Read-only mapping of qualified op name (``"aten::mm"``) to cast kind."""
+        """Read-only mapping of qualified op name (``"aten::mm"``) to cast kind.
+
+        A rule covers every overload of its op except ``out=`` and in-place ones, or only
+        those named when the op was given by overload (``"aten::mm.default"``): the built-in
+        policies name overloads where native autocast registers some of an op's and not
+        others. ``overloads_of`` tells which.
+        """
         return self._rules
 
+    def overloads_of(self, op: OpLike) -> frozenset[str] | None:
+        """The overload names ``op``'s rule is limited to, or None (every overload it may
+        cover, or no rule).
+
+        Example::
+
+            Policy.for_device("cpu").overloads_of("_convolution")   # frozenset({'deprecated'})
+        """
+        return self._overloads.get(_qualified_name(op))
+
     def kind_of(self, op: OpLike) -> CastKind | None:
-        """The cast kind of ``op`` (``"lower"``, ``"fp32"``...), or None if it runs as given."""
-        return self._rules.get(_qualified_name(op))
+        """The cast kind of ``op`` (``"lower"``, ``"fp32"``...), or None if it runs as given.
+
+        An overload (``torch.ops.aten.mm.dtype``, ``"mm.dtype"``) gets its op's kind if the
+        rule covers it; an op gets its rule's kind."""
+        name, overload = _resolve(op)
+        kind = self._rules.get(name)
+        if kind is None or overload is None:
+            return kind
+        limited = self._overloads.get(name)
+        return kind if limited is None or overload in limited else None
 
     def ops(self, kind: str) -> frozenset[str]:
         """The qualified names of the ops of one kind."""
@@ -155,8 +212,22 @@ class Policy:
         return frozenset(name for name, k in self._rules.items() if k is kind)
 
     def table(self) -> dict[str, tuple[str, ...]]:
-        """The policy as a table ``{kind: (op names...)}``, the form the constructor takes."""
-        return {kind: tuple(sorted(self.ops(kind))) for kind in KINDS}
+        """The policy as a table ``{kind: (op names...)}``, the form the constructor takes
+        (ops whose rule is limited to some overloads are listed by overload)."""
+        table: dict[str, list[str]] = {kind: [] for kind in KINDS}
+        for entry, kind in self._entries():
+            table[kind].append(entry)
+        return {kind: tuple(sorted(names)) for kind, names in table.items()}
+
+    def _entries(self):
+        """``(name, kind)`` per rule, ``name`` an op or, for limited rules, an overload."""
+        for name, kind in self._rules.items():
+            limited = self._overloads.get(name)
+            if limited is None:
+                yield name, kind
+            else:
+                for overload in limited:
+                    yield f"{name}.{overload}", kind
 
     # -- deriving -----------------------------------------------------------------------
     def with_ops(
@@ -178,13 +249,14 @@ class Policy:
 
             Policy.for_device("cuda").with_ops(lower=["torch_ext::fused_gelu"], fp32=["mm"])
         """
-        changes = _rules_from_table(
+        changes = Policy(
             {LOWER: lower, FP32: fp32, FP32_UNLESS_DTYPE: fp32_unless_dtype,
              PROMOTE: promote, BANNED: banned, FP8: fp8}
         )
-        rules = dict(self._rules)
-        rules.update(changes)
-        return Policy._from_rules(rules, name or _derived_name(self.name))
+        # A changed op takes its new rule whole (its entries here are replaced).
+        entries = [(e, k) for e, k in self._entries() if e.split(".", 1)[0] not in changes._rules]
+        entries += list(changes._entries())
+        return Policy._from_entries(entries, name or _derived_name(self.name))
 
     def without_ops(self, *ops: OpLike, name: str | None = None) -> Policy:
         """A copy in which ``ops`` are no longer cast (they run with their inputs as given).
@@ -193,19 +265,20 @@ class Policy:
 
             Policy.for_device("cpu").without_ops("cat", "stack")
         """
-        rules = dict(self._rules)
+        removed = set()
         for op in ops:
             qualified = _qualified_name(op)
-            if qualified not in rules:
+            if qualified not in self._rules:
                 raise ValueError(f"{qualified} is not in policy {self.name!r}, nothing to remove")
-            del rules[qualified]
-        return Policy._from_rules(rules, name or _derived_name(self.name))
+            removed.add(qualified)
+        entries = [(e, k) for e, k in self._entries() if e.split(".", 1)[0] not in removed]
+        return Policy._from_entries(entries, name or _derived_name(self.name))
 
     @classmethod
-    def _from_rules(cls, rules: Mapping[str, CastKind], name: str) -> Policy:
+    def _from_entries(cls, entries, name: str) -> Policy:
         table: dict[str, list[str]] = {kind: [] for kind in KINDS}
-        for op_name, kind in rules.items():
-            table[kind].append(op_name)
+        for entry, kind in entries:
+            table[kind].append(entry)
         return cls(table, name=name)
 
     # -- value semantics ----------------------------------------------------------------
@@ -216,9 +289,9 @@ class Policy:
         return hash(self._key)
 
     def __reduce__(self):
-        # Pickled and deep-copied as its rules and name (Lightning deep-copies and pickles
-        # the precision plugins that hold a policy); the routes are made again on use.
-        return _policy_from_rules, (dict(self._rules), self.name)
+        # Pickled and deep-copied as its table and name (Lightning deep-copies and pickles
+        # the precision plugins that hold a policy); the engine's plans are made on use.
+        return _policy_from_table, ({str(k.value): v for k, v in self.table().items()}, self.name)
 
     def __repr__(self) -> str:
         counts = ", ".join(f"{kind}={len(self.ops(kind))}" for kind in KINDS)
@@ -250,44 +323,47 @@ def _derived_name(base: str) -> str:
     return base if base.startswith("derived from ") else f"derived from {base!r}"
 
 
-def _policy_from_rules(rules: Mapping[str, str], name: str) -> Policy:
-    return Policy._from_rules({op: _cast_kind(kind) for op, kind in rules.items()}, name)
+def _policy_from_table(table: Mapping[str, Iterable[str]], name: str) -> Policy:
+    return Policy(table, name=name)
 
 
-def _builtin_table(
-    table: Mapping[str, Iterable[str]], own: Mapping[str, str | None], key: str
-) -> tuple[dict[str, list[str]], tuple[str, ...]]:
+def _builtin_table(table: Mapping[str, Iterable[str]], key: str) -> tuple[dict[str, list[str]], tuple[str, ...]]:
     """The part of a built-in table that applies to the installed torch, and the names left out.
 
-    A name native autocast registers is kept where this torch registers it for ``key``;
-    a name of ours (``own``) is kept where torch has the op and the native entry it
-    follows is registered. The tables name the union over the supported torch versions,
+    A name is kept where this torch registers it for native autocast's ``key``: as the op
+    where native registers every overload of it that takes a tensor and a rule may cover,
+    else as the overloads native registers (``_convolution.deprecated`` on CPU: a call of
+    ``_convolution``'s other overload, as vmap's convolution rules make, is native's to
+    leave alone). The tables name the union over the supported torch versions and builds,
     so a name may be left out without being a typo; ``tests/test_policy.py`` checks that
-    every name left out is one known to differ between versions.
+    every name left out is one known to differ between versions or builds.
     """
-    listed = {name for names in table.values() for name in names}
-    strays = sorted(set(own) - listed)
-    if strays:
-        raise ValueError(f"op_tables: {strays} are marked as our own but are in no table of {key}")
-    registered = _torch_compat.autocast_registrations(key)
+    registered: dict[str, set] = {}
+    for entry in _torch_compat.autocast_registration_overloads(key):
+        op, _, overload = entry.partition(".")
+        registered.setdefault(op, set()).add(overload or "default")
     kept: dict[str, list[str]] = {}
     omitted: list[str] = []
     for kind, names in table.items():
         kept[kind] = []
         for name in names:
-            if name in own:
-                follows = own[name]
-                keep = hasattr(torch.ops.aten, name) and (
-                    follows is None or f"aten::{follows}" in registered
-                )
+            native = registered.get(f"aten::{name}")
+            if native is None:
+                omitted.append(name)
+                continue
+            castable = {
+                op._overloadname for op in castable_overloads(f"aten::{name}")
+                if any(isinstance(a.type, torch._C.TensorType) or "Tensor" in str(a.type) for a in op._schema.arguments)
+            }
+            if castable <= native:
+                kept[kind].append(name)
             else:
-                keep = f"aten::{name}" in registered
-            (kept[kind] if keep else omitted).append(name)
+                kept[kind].extend(f"{name}.{overload}" for overload in sorted(native & castable))
     return kept, tuple(omitted)
 
 
-def _builtin(device_type: str, table, own, key: str) -> Policy:
-    kept, omitted = _builtin_table(table, own, key)
+def _builtin(device_type: str, table, key: str) -> Policy:
+    kept, omitted = _builtin_table(table, key)
     OMITTED[device_type] = omitted
     return Policy(kept, name=device_type)
 
@@ -297,8 +373,8 @@ def _builtin(device_type: str, table, own, key: str) -> Policy:
 OMITTED: dict[str, tuple[str, ...]] = {}
 
 _BUILTIN = {
-    device_type: _builtin(device_type, table, own, key)
-    for device_type, (table, own, key) in op_tables.DEVICE_TABLES.items()
+    device_type: _builtin(device_type, table, key)
+    for device_type, (table, key) in op_tables.DEVICE_TABLES.items()
 }
 # The device types with a built-in policy, in the order op_tables lists them.
 BUILTIN_DEVICES = tuple(_BUILTIN)

@@ -1,0 +1,315 @@
+"""host-cost: what our autocast adds on the host, at widths where the kernels cost nothing.
+
+On a GPU whose step is host-bound every microsecond of Python shows. This suite measures
+the host time ours adds over native autocast on models that keep real models' op
+structure at trivial widths, and how often the engine's Python runs:
+
+1. Added host time per forward and per training step (forward, loss, backward, SGD step),
+   ours against native, interleaved in rotating order; the median of per-round
+   differences (ms) and of per-round ratios. Models: GPT-2 small's structure (12
+   pre-norm blocks, 12 heads, tied head; d_model 48), ResNet-50's (bottleneck blocks 3,
+   4, 6, 3; width 4, 32x32 images), and the 24-layer residual MLP (width 64, batch 16).
+2. Entries into our Python (``PythonEntries``: frames of dispatch_amp entered from code
+   that is not ours) per forward, against the calls of that forward the policy casts,
+   and per compiled training step (``torch.compile``, aot_eager; target 0).
+3. Gradient accumulation (4 micro-batches, one optimizer step) and an eval loop (8
+   forwards under no_grad, each in its own region): ours, and ours inside
+   ``dispatch_amp.cast_cache()``, against native.
+
+Targets (this CPU, medians of interleaved runs): added per forward <= 0.5 ms (GPT-2
+structure), <= 0.35 ms (ResNet-50 structure); MLP training step <= 1.05x native; 0
+entries per compiled step; accumulation with cast_cache < 1.00x native. No test asserts
+a time: the verdict column is information.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import dispatch_amp
+
+from ..models import GPT, GPTConfig, ResidualMLP, ResNet, gpt_batch
+from . import common
+from .common import Table, rotations, verdict
+
+NAME = "host-cost"
+_PACKAGE = str(Path(dispatch_amp.__file__).resolve().parent)
+
+
+class PythonEntries:
+    """Counts entries into dispatch_amp's Python while open: calls of a function of the
+    package made from code that is not the package's (a kernel the dispatcher calls, a
+    region's ``__enter__``). ``by_function`` tells them apart; ``kernel_ops`` names the
+    op of each kernel entry.
+
+    Example::
+
+        with amp.autocast("cpu"):
+            with PythonEntries() as entries:
+                model(x)
+        entries.count, entries.kernel_ops.most_common(3)
+    """
+
+    def __init__(self):
+        self.count = 0
+        self.by_function: collections.Counter = collections.Counter()
+        self.kernel_ops: collections.Counter = collections.Counter()
+
+    def _profile(self, frame, event, arg):
+        if event != "call":
+            return
+        code = frame.f_code
+        if not code.co_filename.startswith(_PACKAGE):
+            return
+        back = frame.f_back
+        if back is not None and back.f_code.co_filename.startswith(_PACKAGE):
+            return
+        self.count += 1
+        self.by_function[code.co_name] += 1
+        if code.co_name == "kernel":
+            op = frame.f_locals.get("op")
+            self.kernel_ops[str(op)] += 1
+
+    def __enter__(self) -> PythonEntries:
+        self._previous = sys.getprofile()
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.setprofile(self._previous)
+
+
+def gpt2_structure() -> tuple[torch.nn.Module, tuple]:
+    cfg = GPTConfig(vocab=64, d_model=48, n_heads=12, n_blocks=12, max_len=16)
+    model = GPT(cfg)
+    model.head.weight = model.tok.weight  # tied, as GPT-2's
+    gen = torch.Generator().manual_seed(0)
+    return model, gpt_batch(cfg, 2, 16, generator=gen)
+
+
+def resnet50_structure() -> tuple[torch.nn.Module, tuple]:
+    model = ResNet(width=4, classes=10).to(memory_format=torch.channels_last)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 32, 32, generator=gen).to(memory_format=torch.channels_last)
+    return model, (x, torch.randint(0, 10, (2,), generator=gen))
+
+
+def mlp24() -> tuple[torch.nn.Module, tuple]:
+    gen = torch.Generator().manual_seed(0)
+    return ResidualMLP(width=64, depth=24), (torch.randn(16, 64, generator=gen), torch.randint(0, 10, (16,), generator=gen))
+
+
+MODELS = {"GPT-2 structure": gpt2_structure, "ResNet-50 structure": resnet50_structure, "MLP 24 x 64": mlp24}
+# Targets: added ms per forward, training-step ratio.
+FORWARD_TARGET_MS = {"GPT-2 structure": 0.5, "ResNet-50 structure": 0.35}
+STEP_TARGET = {"MLP 24 x 64": 1.05}
+
+
+def _loss(model, batch):
+    if isinstance(model, GPT):
+        return model.loss(*batch)
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def _region(mode: str):
+    if mode == "native":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return dispatch_amp.autocast("cpu", dtype=torch.bfloat16)
+
+
+def _time(fn, calls: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls * 1e3  # ms
+
+
+def _interleaved(fns: dict, calls: int, rounds: int) -> dict[str, list[float]]:
+    for fn in fns.values():  # warm-up: memos, kernel registration, caches
+        _time(fn, max(1, calls // 2))
+    samples = {name: [] for name in fns}
+    for order in rotations(tuple(fns), rounds):
+        for name in order:
+            samples[name].append(_time(fns[name], calls))
+    return samples
+
+
+def _forward(model, batch, mode):
+    def run():
+        with _region(mode):
+            _loss(model, batch)
+    return run
+
+
+def _step(model, batch, mode, optimizer):
+    def run():
+        with _region(mode):
+            loss = _loss(model, batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return run
+
+
+def _accumulate(model, batches, mode, optimizer, keep_casts: bool):
+    def run():
+        with dispatch_amp.cast_cache() if keep_casts else contextlib.nullcontext():
+            for batch in batches:
+                with _region(mode):
+                    loss = _loss(model, batch) / len(batches)
+                loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return run
+
+
+def _eval_loop(model, batches, mode, keep_casts: bool):
+    def run():
+        with torch.no_grad(), dispatch_amp.cast_cache() if keep_casts else contextlib.nullcontext():
+            for batch in batches:
+                with _region(mode):
+                    _loss(model, batch)
+    return run
+
+
+def _met(ok: bool) -> str:
+    """``verdict`` for a combined check."""
+    return "smoke test" if common.SMOKE_TEST else ("met" if ok else "missed")
+
+
+def _median_diff(a, b):
+    return statistics.median(x - y for x, y in zip(a, b))
+
+
+def _median_ratio(a, b):
+    return statistics.median(x / y for x, y in zip(a, b))
+
+
+def entries_per_forward(model, batch) -> tuple[int, int, collections.Counter]:
+    """(entries into our Python, of them kernel calls for ops the policy casts, the
+    kernels' ops) for one forward and loss under the built-in CPU policy."""
+    plan_policy = dispatch_amp.Policy.for_device("cpu")
+    with dispatch_amp.autocast("cpu"):
+        _loss(model, batch)  # warm: kernels registered, memos filled
+        with PythonEntries() as entries:
+            _loss(model, batch)
+    cast = 0
+    for op, n in entries.kernel_ops.items():  # "aten.mm.default"
+        namespace, name, overload = op.split(".")
+        if plan_policy.kind_of(f"{namespace}::{name}.{overload}") is not None:
+            cast += n
+    return entries.count, cast, entries.kernel_ops
+
+
+def entries_per_compiled_step(model, batch) -> int:
+    """Entries into our Python during one compiled training step (aot_eager), after the
+    compile: the region is opened around the compiled call."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step():
+        loss = _loss(model, batch)
+        loss.backward()
+        return loss
+
+    compiled = torch.compile(step, backend="aot_eager")
+    for _ in range(2):
+        with dispatch_amp.autocast("cpu"):
+            compiled()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    with dispatch_amp.autocast("cpu"):
+        with PythonEntries() as entries:
+            compiled()
+    return entries.count
+
+
+def run(opts) -> list[Table]:
+    quick = opts.quick
+    calls, rounds = (1, 3) if quick else (5, 21)
+    forward = Table(
+        f"host-cost: ms per forward+loss and per training step (CPU bfloat16, trivial widths); "
+        f"{rounds} interleaved rounds of {calls} calls, medians",
+        [("model", "model", "{}"), ("native_fwd_ms", "native fwd", "{:.2f}"), ("ours_fwd_ms", "ours fwd", "{:.2f}"),
+         ("added_fwd_ms", "added per fwd (ms)", "{:+.3f}"), ("fwd_target", "target", "{}"),
+         ("native_step_ms", "native step", "{:.2f}"), ("ours_step_ms", "ours step", "{:.2f}"),
+         ("step_ratio", "step ours/native", "{:.3f}"), ("step_target", "target", "{}"),
+         ("entries_fwd", "entries per fwd", "{}"), ("cast_calls", "of which casts", "{}"),
+         ("met", "met?", "{}")],
+        note="Entries: calls into dispatch_amp's Python from outside it during one forward+loss "
+             "(every one a kernel of an op the policy casts).",
+    )
+    for name, make in MODELS.items():
+        if quick and name != "MLP 24 x 64":
+            continue
+        model, batch = make()
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        fwd = _interleaved({m: _forward(model, batch, m) for m in ("native", "ours")}, calls, rounds)
+        step = _interleaved({m: _step(model, batch, m, optimizer) for m in ("native", "ours")}, calls, rounds)
+        entries, cast, _ = entries_per_forward(model, batch)
+        added = _median_diff(fwd["ours"], fwd["native"])
+        ratio = _median_ratio(step["ours"], step["native"])
+        checks = []
+        if name in FORWARD_TARGET_MS:
+            checks.append(added <= FORWARD_TARGET_MS[name])
+        if name in STEP_TARGET:
+            checks.append(ratio <= STEP_TARGET[name])
+        checks.append(entries == cast)
+        forward.rows.append({
+            "model": name, "native_fwd_ms": statistics.median(fwd["native"]),
+            "ours_fwd_ms": statistics.median(fwd["ours"]), "added_fwd_ms": added,
+            "fwd_target": f"<= {FORWARD_TARGET_MS[name]}" if name in FORWARD_TARGET_MS else "-",
+            "native_step_ms": statistics.median(step["native"]), "ours_step_ms": statistics.median(step["ours"]),
+            "step_ratio": ratio, "step_target": f"<= {STEP_TARGET[name]}" if name in STEP_TARGET else "-",
+            "entries_fwd": entries, "cast_calls": cast, "met": _met(all(checks)),
+        })
+
+    compiled = Table(
+        "host-cost: entries into our Python per compiled training step (torch.compile, aot_eager; target 0)",
+        [("model", "model", "{}"), ("entries", "entries per compiled step", "{}"), ("met", "met?", "{}")],
+    )
+    for name in ("MLP 24 x 64",) if quick else tuple(MODELS):
+        model, batch = MODELS[name]()
+        n = entries_per_compiled_step(model, batch)
+        compiled.rows.append({"model": name, "entries": n, "met": verdict(n, 0)})
+
+    repeated = Table(
+        f"host-cost: gradient accumulation (4 micro-batches, one SGD step) and an eval loop (8 forwards "
+        f"under no_grad, one region each), ms, {rounds} interleaved rounds; ratio to native",
+        [("case", "case", "{}"), ("model", "model", "{}"), ("native_ms", "native", "{:.2f}"),
+         ("ours_ms", "ours", "{:.2f}"), ("ours_ratio", "ours/native", "{:.3f}"),
+         ("kept_ms", "ours + cast_cache", "{:.2f}"), ("kept_ratio", "kept/native", "{:.3f}"),
+         ("target", "target", "{}"), ("met", "met?", "{}")],
+    )
+    for name in ("MLP 24 x 64",) if quick else ("GPT-2 structure", "MLP 24 x 64"):
+        model, batch = MODELS[name]()
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        batches = [batch] * 4
+        acc = _interleaved({
+            "native": _accumulate(model, batches, "native", optimizer, False),
+            "ours": _accumulate(model, batches, "ours", optimizer, False),
+            "kept": _accumulate(model, batches, "ours", optimizer, True),
+        }, max(1, calls // 2), rounds)
+        evals = _interleaved({
+            "native": _eval_loop(model, [batch] * 8, "native", False),
+            "ours": _eval_loop(model, [batch] * 8, "ours", False),
+            "kept": _eval_loop(model, [batch] * 8, "ours", True),
+        }, max(1, calls // 2), rounds)
+        for case, samples, target in (("accumulation", acc, 1.0), ("eval loop", evals, 1.0)):
+            kept = _median_ratio(samples["kept"], samples["native"])
+            repeated.rows.append({
+                "case": case, "model": name, "native_ms": statistics.median(samples["native"]),
+                "ours_ms": statistics.median(samples["ours"]),
+                "ours_ratio": _median_ratio(samples["ours"], samples["native"]),
+                "kept_ms": statistics.median(samples["kept"]), "kept_ratio": kept,
+                "target": f"kept < {target:.2f}", "met": _met(kept < target),
+            })
+    return [forward, compiled, repeated]
