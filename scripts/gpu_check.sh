@@ -5,7 +5,7 @@
 #
 #   train    ours/native training steps, GPT-2 small and ResNet-50, eager and compiled;
 #            gradient accumulation, eval loop, the fp16-over-fp32 headline      (130 s)
-#   profile  torch.profiler summaries, ours against native, and Dynamo's logs  (50 s)
+#   profile  torch.profiler summaries, ours against native, and Dynamo's logs  (55 s)
 #   fp8      the fp8 suite with kernel tables, DelayedScaling's first calls,
 #            torchao side by side                                               (100 s)
 #   scaler   Triton unscale against a copy and torch's op; step + update; syncs (20 s)
@@ -48,7 +48,7 @@ usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' 
 die_usage() { echo "gpu_check.sh: $*" >&2; usage >&2; exit 2; }
 
 ORDER=(train profile fp8 scaler tests)
-declare -A BUDGET=([train]=130 [profile]=50 [fp8]=100 [scaler]=20 [tests]=120)
+declare -A BUDGET=([train]=130 [profile]=55 [fp8]=100 [scaler]=20 [tests]=120)
 declare -A ASKED_BUDGET=()
 total=345
 dry_run=0 quick=0
