@@ -1,61 +1,109 @@
 #!/usr/bin/env bash
-# The GPU check, one command for a machine with a CUDA GPU and no network: the CUDA test
-# lane (tests/cuda) and the benchmarks on the GPU (python -m benchmarks --device cuda),
-# written to one Markdown report.
+# The GPU check: one command for a short window on a CUDA machine with no network. It runs
+# its parts in this order, each under its own time budget (`timeout`), so that a slow part
+# cannot starve the others, and the whole within a total budget:
 #
-#   scripts/gpu_check.sh [--quick] [--tests-only | --bench-only]
+#   train    ours/native training steps, GPT-2 small and ResNet-50, eager and compiled;
+#            gradient accumulation, eval loop, the fp16-over-fp32 headline      (130 s)
+#   profile  torch.profiler summaries, ours against native, and Dynamo's logs  (55 s)
+#   fp8      the fp8 suite with kernel tables, DelayedScaling's first calls,
+#            torchao side by side                                               (100 s)
+#   scaler   Triton unscale against a copy and torch's op; step + update; syncs (20 s)
+#   tests    the CUDA test lane (tests/cuda), the bfloat16 cuDNN RNN cases first (120 s)
 #
-#   --quick       pass --quick to the benchmarks (tiny sizes: a smoke test of the GPU paths)
-#   --tests-only  only the CUDA test lane
-#   --bench-only  only the benchmarks
+#   scripts/gpu_check.sh [--part NAME[=SECONDS] ...] [--budget SECONDS] [--dry-run] [--quick]
 #
-# Installs nothing from the network: it uses the python that holds torch (PYTHON, else the
-# first of python3, python, .venv/bin/python that imports torch) and the packages there. The repository is made importable
-# as dispatch_amp (src/dispatch_amp, with the top-level kernels/ as dispatch_amp.kernels,
-# the mapping in pyproject.toml) in this order: as it already is, if it already resolves to
-# this checkout; `pip install --no-deps --no-build-isolation --no-index -e .`; else a
-# symlink tree in a temporary folder on PYTHONPATH (nothing written outside it).
+#   --part NAME   run only this part (repeatable; default: all, in the order above);
+#                 NAME=SECONDS also sets its budget
+#   --budget S    the total budget in seconds (default 345: the check ends within 6 minutes);
+#                 each part gets the lesser of its own budget and what is left of the total
+#   --dry-run     on CPU, at tiny sizes, no GPU needed: every part's code runs (the CUDA-only
+#                 pieces replaced by their CPU equivalents or marked n/a); the tests part only
+#                 collects the lane. Budgets become hang guards (300 s a part, 900 s in all)
+#   --quick       tiny sizes on the GPU: a smoke test of the GPU paths
 #
-# Report: $OUT/gpu_report.md when OUT is set, else ${REPORT:-gpu_report.md}; beside it the
-# pytest log and junit XML, the benchmarks' stderr and their CSV files (a .tar.gz under
-# OUT). The report is written as the run goes, so a run cut short still leaves its start.
-# Environment: TEST_TIMEOUT (s, default 1500), BENCH_TIMEOUT (s, default 900), PYTEST_ARGS
-# (extra pytest arguments).
+# Without --dry-run it refuses (exit status 2) where torch sees no CUDA GPU.
 #
-# Exit status: 0 all passed; 1 a test failed or a benchmark suite failed (the benchmarks
-# still run and the report is still written when the tests fail); 2 not a GPU machine (no
-# CUDA device visible to torch), no torch, or a usage error.
+# Installs nothing from the network. Wheels found in .whl/ (scripts/fetch_gpu_wheels.sh puts
+# torchao there; the folder is git-ignored, so a copy of the working tree must carry it) are
+# installed into a temporary folder on PYTHONPATH. It uses the python that holds torch
+# (PYTHON, else the first of python3, python, .venv/bin/python that imports torch), and makes
+# this checkout importable as dispatch_amp: as it already is, else `pip install --no-deps
+# --no-build-isolation --no-index -e .`, else a symlink tree on PYTHONPATH.
+#
+# Output: $OUT/gpu_report.md when OUT is set (else ${REPORT:-gpu_report.md}), dated, with the
+# GPU, driver, torch, CUDA, Triton and commit; each part's tables as they are measured, then
+# a summary of the parts and every target with its value. Beside it the CSV files (every row
+# of every table; PART.targets.csv) and the logs (each part's stderr, pytest's log and junit
+# XML, the profiles' full tables, Dynamo's logs): under OUT as gpu_report.csv.tar.gz and
+# gpu_report.logs.tar.gz (few files come back from OUT), else as folders beside the report.
+# Environment: PYTEST_ARGS (extra pytest arguments for the tests part).
+#
+# Exit status: 0 every part ran and passed; 1 a part failed, timed out or was left out for
+# lack of budget (the report says which; the others still ran); 2 a usage error, no torch,
+# or no CUDA GPU without --dry-run.
 set -uo pipefail
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
+die_usage() { echo "gpu_check.sh: $*" >&2; usage >&2; exit 2; }
 
-quick=0 tests=1 bench=1
-for arg in "$@"; do
-    case $arg in
+ORDER=(train profile fp8 scaler tests)
+declare -A BUDGET=([train]=130 [profile]=55 [fp8]=100 [scaler]=20 [tests]=120)
+declare -A ASKED_BUDGET=()
+total=345
+dry_run=0 quick=0
+selected=()
+is_part() { local p; for p in "${ORDER[@]}"; do [ "$p" = "$1" ] && return 0; done; return 1; }
+is_seconds() { [[ $1 =~ ^[1-9][0-9]*$ ]]; }
+
+while [ $# -gt 0 ]; do
+    case $1 in
+        --part|--part=*)
+            if [ "$1" = --part ]; then
+                [ $# -ge 2 ] || die_usage "--part needs a NAME (one of: ${ORDER[*]})"
+                spec=$2; shift
+            else
+                spec=${1#--part=}
+            fi
+            name=${spec%%=*}
+            is_part "$name" || die_usage "unknown part '$name' (the parts: ${ORDER[*]})"
+            if [ "$spec" != "$name" ]; then
+                is_seconds "${spec#*=}" || die_usage "--part $spec: the budget must be a whole number of seconds"
+                ASKED_BUDGET[$name]=${spec#*=}
+            fi
+            selected+=("$name") ;;
+        --budget)
+            [ $# -ge 2 ] && is_seconds "$2" || die_usage "--budget needs a whole number of seconds"
+            total=$2; asked_total=1; shift ;;
+        --dry-run) dry_run=1 ;;
         --quick) quick=1 ;;
-        --tests-only) bench=0 ;;
-        --bench-only) tests=0 ;;
         -h|--help) usage; exit 0 ;;
-        *) echo "gpu_check.sh: unknown option '$arg'" >&2; usage >&2; exit 2 ;;
+        *) die_usage "unknown option '$1'" ;;
     esac
+    shift
 done
-if [ "$tests" = 0 ] && [ "$bench" = 0 ]; then
-    echo "gpu_check.sh: --tests-only and --bench-only exclude each other" >&2
-    exit 2
+if [ "$dry_run" = 1 ]; then  # hang guards: a loaded CI machine may be many times slower
+    for p in "${ORDER[@]}"; do BUDGET[$p]=300; done
+    [ -n "${asked_total:-}" ] || total=900
 fi
+for p in "${!ASKED_BUDGET[@]}"; do BUDGET[$p]=${ASKED_BUDGET[$p]}; done
+parts=()
+for p in "${ORDER[@]}"; do  # the order above, whatever the order of --part
+    if [ ${#selected[@]} = 0 ] || [[ " ${selected[*]} " == *" $p "* ]]; then parts+=("$p"); fi
+done
 
+command -v timeout >/dev/null 2>&1 || { echo "gpu_check.sh: needs coreutils' timeout (it enforces the budgets)" >&2; exit 2; }
+
+started=$SECONDS
 invoked_from=$(pwd)
+py=${PYTHON:-}
+case $py in  # a relative path (not a bare command name) is relative to where the script was run
+    /*|"") ;;
+    */*) py=$invoked_from/$py ;;
+esac
 cd "$(dirname "$0")/.." || exit 2
 repo=$(pwd -P)
 
-# `timeout` where coreutils has it, else the command as it is.
-with_timeout() {
-    local secs=$1
-    shift
-    if command -v timeout >/dev/null 2>&1; then timeout "$secs" "$@"; else "$@"; fi
-}
-
-py=${PYTHON:-}
 if [ -z "$py" ]; then  # the first that imports torch
     for candidate in python3 python "$repo/.venv/bin/python"; do
         if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c 'import torch' >/dev/null 2>&1; then
@@ -70,10 +118,10 @@ if [ -z "$py" ] || ! "$py" -c 'import torch' >/dev/null 2>&1; then
 fi
 
 # -- a GPU machine? -------------------------------------------------------------------------
-if ! "$py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
+if [ "$dry_run" = 0 ] && ! "$py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
     build=$("$py" -c 'import torch; print(torch.__version__, "(CUDA " + torch.version.cuda + " build)" if torch.version.cuda else "(a CPU-only build)")' 2>/dev/null)
     echo "gpu_check.sh: no CUDA GPU is visible to torch here (torch $build): this script is for GPU machines." >&2
-    echo "  On a machine without a GPU run the CPU checks instead: python -m pytest; python -m benchmarks --quick." >&2
+    echo "  Rehearse it on CPU with: scripts/gpu_check.sh --dry-run" >&2
     exit 2
 fi
 
@@ -82,23 +130,38 @@ tmp=$(mktemp -d -t gpu-check-XXXXXX) || exit 2
 trap 'rm -rf "$tmp"' EXIT
 if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT"
-    report=$OUT/$(basename "${REPORT:-gpu_report.md}")
+    report=$OUT/gpu_report.md
 else
     report=${REPORT:-gpu_report.md}
     case $report in /*) ;; *) report=$invoked_from/$report ;; esac  # relative to where it was run
     mkdir -p "$(dirname "$report")"
 fi
 stem=${report%.md}
-pytest_log=$stem.pytest.log
-junit=$stem.junit.xml
-bench_err=$stem.bench.stderr.log
+csv=$tmp/csv
+logs=$tmp/logs
+mkdir -p "$csv" "$logs"
 : >"$report"
 say() { printf '%s\n' "$*" | tee -a "$report"; }
 note() { printf '%s\n' "$*" >&2; }
 
+# -- wheels brought along (.whl/), into a temporary folder on PYTHONPATH ----------------------
+wheels_line="none in .whl/"
+shopt -s nullglob
+whl=("$repo"/.whl/*.whl)
+shopt -u nullglob
+if [ ${#whl[@]} -gt 0 ]; then
+    names=$(for w in "${whl[@]}"; do basename "$w"; done | paste -sd ' ' -)
+    if "$py" -m pip install -q --no-index --no-deps --no-compile --target "$tmp/wheels" "${whl[@]}" >"$logs/wheels.log" 2>&1; then
+        export PYTHONPATH="$tmp/wheels${PYTHONPATH:+:$PYTHONPATH}"
+        wheels_line="installed from .whl/ into a temporary folder on PYTHONPATH: $names"
+    else
+        wheels_line="FAILED to install $names (see logs/wheels.log): $(tail -n 1 "$logs/wheels.log" | cut -c1-160)"
+    fi
+fi
+
 # -- dispatch_amp importable from this checkout ----------------------------------------------
-# Prints nothing on success; exit 1 unless dispatch_amp and dispatch_amp.kernels are this
-# checkout's src/dispatch_amp and kernels/.
+# Prints nothing; exit 1 unless dispatch_amp and dispatch_amp.kernels are this checkout's
+# src/dispatch_amp and kernels/.
 resolves_here() {
     (cd "$tmp" && "$py" - "$repo" <<'PY'
 import os, sys
@@ -117,7 +180,7 @@ PY
 how=""
 if resolves_here; then
     how="already importable from this checkout"
-elif "$py" -m pip install --no-deps --no-build-isolation --no-index -q -e . >"$tmp/pip.log" 2>&1 && resolves_here; then
+elif "$py" -m pip install --no-deps --no-build-isolation --no-index -q -e . >"$logs/pip-e.log" 2>&1 && resolves_here; then
     how="pip install --no-deps --no-build-isolation --no-index -e ."
 else
     # A symlink tree: <tmp>/site/dispatch_amp holds links to src/dispatch_amp's entries,
@@ -130,144 +193,217 @@ else
     ln -sfn "$repo/kernels" "$site/dispatch_amp/kernels"
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
     if resolves_here; then
-        how="symlink tree on PYTHONPATH (pip -e did not work: $(tail -n 1 "$tmp/pip.log" 2>/dev/null | cut -c1-160))"
+        how="symlink tree on PYTHONPATH (pip -e did not work: $(tail -n 1 "$logs/pip-e.log" 2>/dev/null | cut -c1-160))"
     else
         note "gpu_check.sh: cannot import dispatch_amp from $repo (neither pip -e nor a symlink tree worked):"
-        tail -n 20 "$tmp/pip.log" >&2
+        tail -n 20 "$logs/pip-e.log" >&2
         exit 2
     fi
 fi
-# The benchmarks run as `python -m benchmarks` from the repository root (their children too).
+# The parts run as `python -m benchmarks.check` from the repository root.
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
 
-# -- environment ------------------------------------------------------------------------------
+missing() { ! "$py" -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('$1') else 1)" 2>/dev/null; }
+
+# -- the report's head ------------------------------------------------------------------------
+mode="the full check"
+[ "$quick" = 1 ] && mode="--quick: tiny sizes on the GPU, a smoke test"
+[ "$dry_run" = 1 ] && mode="--dry-run: on CPU at tiny sizes, a rehearsal of the code (no number here is a measurement)"
 say "# dispatch-amp GPU check"
 say ""
-say "- date: $(date -u +%Y-%m-%dT%H:%MZ)"
-say "- commit: $(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo unknown)$(git -C "$repo" status --porcelain 2>/dev/null | grep -q . && echo ' (with local changes)')"
-if command -v nvidia-smi >/dev/null 2>&1; then
-    while IFS= read -r line; do say "- GPU (nvidia-smi): $line"; done < <(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null)
-fi
-"$py" - <<'PY' | tee -a "$report"
-import platform, torch
-p = torch.cuda.get_device_properties(0)
-print(f"- GPU (torch): {p.name}, {p.total_memory / 2**30:.1f} GiB, {p.multi_processor_count} SMs, "
-      f"compute capability {p.major}.{p.minor}")
-print(f"- torch {torch.__version__} (CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()})")
-try:
-    import triton
-    print(f"- triton {triton.__version__}")
-except ImportError:
-    print("- triton: not installed")
-print(f"- python {platform.python_version()} ({platform.machine()})")
-PY
+"$py" -m benchmarks.check environment 2>"$logs/environment.log" | tee -a "$report"
 say "- dispatch_amp: $how"
-
-# One line for each thing skipped because a package is missing.
-missing() { ! "$py" -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('$1') else 1)" 2>/dev/null; }
-skips=()
-ignore=()
-run_tests=$tests
-if [ "$tests" = 1 ]; then
-    for pkg in pytest hypothesis; do
-        if missing "$pkg"; then
-            skips+=("skipped: the CUDA test lane ($pkg is not installed; pytest and tests/conftest.py need it)")
-            run_tests=0
-        fi
-    done
-    if [ "$run_tests" = 1 ]; then
-        # Test files that import a missing optional package at module level are left out.
-        for pkg in expecttest numpy matplotlib transformers accelerate lightning torchao torchvision; do
-            missing "$pkg" || continue
-            while IFS= read -r f; do
-                [ -n "$f" ] || continue
-                ignore+=("--ignore=$f")
-                skips+=("skipped: $f ($pkg is not installed)")
-            done < <(grep -lE "^(import|from) $pkg([ .]|$)" tests/cuda/*.py 2>/dev/null)
-        done
-    fi
-fi
-if missing triton; then
-    skips+=("skipped: the Triton kernels (triton is not installed): torch's fallbacks run instead, the kernels benchmark says so")
-fi
-if [ "$bench" = 1 ] && missing torchao; then
-    skips+=("skipped: the fp8 suite's torchao comparison (torchao is not installed)")
-fi
-say ""
-for line in ${skips[@]+"${skips[@]}"}; do say "- $line"; done
+say "- wheels: $wheels_line"
+missing torchao && say "- torchao: not installed, so the fp8 part's torchao comparison is skipped (scripts/fetch_gpu_wheels.sh downloads a wheel into .whl/, which the copy of the tree must carry)"
+missing triton && say "- triton: not installed, so torch's fallbacks run where the Triton kernels would"
+say "- mode: $mode"
+budgets=$(for p in "${parts[@]}"; do printf '%s %ss, ' "$p" "${BUDGET[$p]}"; done)
+say "- parts and budgets: ${budgets%, } (total $total s)"
 say ""
 
+declare -A STATUS=() TOOK=()
 status=0
+flags=()
+[ "$dry_run" = 1 ] && flags+=(--dry-run)
+[ "$quick" = 1 ] && flags+=(--quick)
 
-# -- the CUDA test lane -------------------------------------------------------------------------
-if [ "$tests" = 1 ]; then
-    say "## CUDA tests (tests/cuda)"
-    say ""
-    if [ "$run_tests" = 1 ]; then
-        note "== python -m pytest tests/cuda (log: $pytest_log)"
-        start=$(date +%s)
-        # shellcheck disable=SC2086
-        with_timeout "${TEST_TIMEOUT:-1500}" "$py" -m pytest tests/cuda -rA -p no:cacheprovider --junitxml="$junit" \
-            ${ignore[@]+"${ignore[@]}"} ${PYTEST_ARGS:-} >"$pytest_log" 2>&1
-        rc=$?
-        secs=$(( $(date +%s) - start ))
-        summary=$(tail -n 1 "$pytest_log")
-        case $rc in
-            0) verdict="passed" ;;
-            5) verdict="no tests collected in tests/cuda" ;;
-            124) verdict="TIMED OUT after ${TEST_TIMEOUT:-1500} s"; status=1 ;;
-            *) verdict="FAILED (pytest exit status $rc)"; status=1 ;;
-        esac
-        say "pytest: $verdict in ${secs} s: $summary"
-        say ""
-        say '```'
-        # The short summary (-rA: one line per test) without its PASSED lines (they stay in
-        # the log), then, if any failed, the failures.
-        sed -n '/short test summary info/,$p' "$pytest_log" | grep -v '^PASSED ' >>"$report"
-        say '```'
-        if [ "$rc" != 0 ] && [ "$rc" != 5 ]; then
-            say ""
-            say "<details><summary>failures (first 400 lines; whole log: $(basename "$pytest_log"))</summary>"
-            say ""
-            say '```'
-            sed -n '/= FAILURES =\|= ERRORS =/,/short test summary info/p' "$pytest_log" | head -n 400 >>"$report"
-            say '```'
-            say "</details>"
-        fi
-        note "pytest: $verdict: $summary"
-    else
-        say "not run (see the skipped lines above)"
+# Seconds part $1 may run: its budget, at most what is left of the total (0: none left).
+allowance() {
+    local left=$(( total - (SECONDS - started) ))
+    local b=${BUDGET[$1]}
+    if [ "$left" -lt "$b" ]; then
+        b=$left
+        [ "$b" -lt 10 ] && b=0  # too little of the total left to start a part
     fi
-    say ""
-fi
+    echo "$b"
+}
 
-# -- the benchmarks on the GPU -------------------------------------------------------------------
-if [ "$bench" = 1 ]; then
-    args=(--device cuda)
-    [ "$quick" = 1 ] && args+=(--quick)
-    csv=$tmp/bench_csv
-    say "## Benchmarks: python -m benchmarks ${args[*]}"
-    say ""
-    note "== python -m benchmarks ${args[*]} (stderr: $bench_err)"
-    # stdout (the tables, each printed when measured) goes straight into the report.
-    PYTHONUNBUFFERED=1 with_timeout "${BENCH_TIMEOUT:-900}" "$py" -m benchmarks "${args[@]}" --out "$csv" \
-        2> >(tee "$bench_err" >&2) | tee -a "$report"
+# timeout sends SIGINT first: Python parts write what they finished, pytest prints its summary.
+with_timeout() {
+    local secs=$1
+    shift
+    timeout -s INT -k 10 "$secs" "$@"
+}
+
+verdict_of() {  # exit status, budget -> the part's status
+    case $1 in
+        0) echo "passed" ;;
+        124|130) echo "TIMED OUT after $2 s" ;;
+        *) echo "FAILED (exit status $1)" ;;
+    esac
+}
+
+run_python_part() {  # name, seconds
+    local name=$1 secs=$2 rc
+    with_timeout "$secs" "$py" -m benchmarks.check "$name" --out "$csv" --logs "$logs" ${flags[@]+"${flags[@]}"} \
+        2>"$logs/$name.stderr.log" | tee -a "$report"
     rc=${PIPESTATUS[0]}
     case $rc in
         0) ;;
-        124) say ""; say "benchmarks: TIMED OUT after ${BENCH_TIMEOUT:-900} s (the tables above are those finished)"; status=1 ;;
-        *) say ""; say "benchmarks: FAILED (exit status $rc; see $(basename "$bench_err"))"; status=1 ;;
+        124|130) say ""; say "$name: TIMED OUT after $secs s (the tables above are those finished)" ;;
+        *) say ""; say "$name: FAILED (exit status $rc); the last lines of its stderr (logs/$name.stderr.log):"
+           say '```'; grep -v '^USDT' "$logs/$name.stderr.log" | tail -n 15 >>"$report"; say '```' ;;
     esac
-    if [ -d "$csv" ]; then
-        if [ -n "${OUT:-}" ]; then  # few files come back from OUT: one archive
-            tar -czf "$stem.bench_csv.tar.gz" -C "$tmp" bench_csv
-        else
-            rm -rf "$stem.bench_csv" && cp -r "$csv" "$stem.bench_csv"
-        fi
-    fi
-fi
+    return "$rc"
+}
 
+# The cuDNN RNN cases under bfloat16: the RNN layers (lstm/gru/rnn_tanh taggers) and, on CUDA
+# builds, the _cudnn_rnn registration itself.
+RNN_CASES="(tagger or _cudnn_rnn) and bfloat16"
+
+pytest_run() {  # label, seconds, -k expression
+    local label=$1 secs=$2 expr=$3 log=$logs/pytest.$1.log rc t0=$SECONDS summary
+    note "== pytest tests/cuda -k '$expr' (log: logs/pytest.$label.log)"
+    # shellcheck disable=SC2086
+    with_timeout "$secs" "$py" -m pytest tests/cuda -k "$expr" -rA -p no:cacheprovider \
+        --junitxml="$logs/pytest.$label.junit.xml" ${PYTEST_ARGS:-} >"$log" 2>&1
+    rc=$?
+    summary=$(grep -E '^(=+ )?[0-9]+ (passed|failed|error|skipped|deselected)' "$log" | tail -n 1)
+    [ -n "$summary" ] || summary=$(tail -n 1 "$log")
+    case $rc in
+        0) v="passed" ;;
+        5) v="no tests collected" ;;
+        124|130) v="TIMED OUT after $secs s" ;;
+        *) v="FAILED (pytest exit status $rc)" ;;
+    esac
+    say "pytest ($label: -k \"$expr\"): $v in $(( SECONDS - t0 )) s: $summary"
+    tests_verdict+="${tests_verdict:+; }$label: $v"
+    say ""
+    if grep -q 'short test summary info' "$log"; then
+        say '```'
+        # the short summary, up to its closing count line, without its PASSED lines (they stay in the log)
+        awk '/short test summary info/ { on = 1 } on && !/^PASSED / { print }
+             on && /^(=+ )?[0-9]+ (passed|failed|skipped|errors?|deselected|xfailed|xpassed|warnings?)/ { exit }' \
+            "$log" >>"$report"
+        say '```'
+    fi
+    if grep -qE '^=+ (FAILURES|ERRORS) =+$' "$log"; then
+        say ""
+        say "<details><summary>failures, first 300 lines (whole log: logs/pytest.$label.log)</summary>"
+        say ""
+        say '```'
+        sed -n '/= FAILURES =\|= ERRORS =/,/short test summary info/p' "$log" | head -n 300 >>"$report"
+        say '```'
+        say "</details>"
+    fi
+    say ""
+    [ "$rc" = 0 ]
+}
+
+run_tests_part() {  # seconds
+    local secs=$1 rc=0 t0=$SECONDS collected rnn left pkg
+    for pkg in pytest hypothesis; do
+        if missing "$pkg"; then
+            say "not run: $pkg is not installed (pytest and tests/conftest.py need it)"
+            tests_verdict="NOT RUN ($pkg is not installed)"
+            return 1
+        fi
+    done
+    if [ "$dry_run" = 1 ]; then
+        # One collection with the GPU run's first selection: "N/M tests collected (K deselected)".
+        # (pyproject's addopts has -q: one node id a line.)
+        with_timeout "$secs" "$py" -m pytest tests/cuda --collect-only -p no:cacheprovider -k "$RNN_CASES" \
+            >"$logs/pytest.collect.log" 2>&1
+        rc=$?
+        collected=$(grep -oE '[0-9]+/[0-9]+ tests? collected' "$logs/pytest.collect.log" | tail -n 1)
+        rnn=$(grep '::' "$logs/pytest.collect.log")
+        say "not run: no GPU (a dry run). pytest tests/cuda --collect-only (exit status $rc): ${collected:-nothing collected};"
+        say "the selected ones are the bfloat16 cuDNN RNN cases, which the GPU run takes first (-k \"$RNN_CASES\"):"
+        say ""
+        say '```'
+        say "${rnn:-NONE COLLECTED}"
+        say '```'
+        if [ "$rc" = 0 ] && [ -n "$collected" ] && [ -n "$rnn" ]; then
+            tests_verdict="collected (dry run)"
+            return 0
+        fi
+        tests_verdict="FAILED to collect the lane or its cuDNN RNN cases"
+        return 1
+    fi
+    pytest_run rnn "$secs" "$RNN_CASES" || rc=1
+    left=$(( secs - (SECONDS - t0) ))
+    if [ "$left" -lt 10 ]; then
+        say "the rest of the lane: not run (its budget is spent)"
+        tests_verdict+="; rest: NOT RUN (no budget left)"
+        return 1
+    fi
+    pytest_run rest "$left" "not ($RNN_CASES)" || rc=1
+    return "$rc"
+}
+
+for part in "${parts[@]}"; do
+    secs=$(allowance "$part")
+    say "## Part: $part"
+    say ""
+    if [ "$secs" = 0 ]; then
+        say "not run: the total budget of $total s is spent"
+        say ""
+        STATUS[$part]="NOT RUN (no budget left)"; TOOK[$part]=0; status=1
+        continue
+    fi
+    note "== part $part (budget $secs s)"
+    t0=$SECONDS
+    if [ "$part" = tests ]; then
+        tests_verdict=""
+        run_tests_part "$secs"
+        rc=$?
+        v=$tests_verdict
+    else
+        run_python_part "$part" "$secs"
+        rc=$?
+        v=$(verdict_of "$rc" "$secs")
+    fi
+    [ "$rc" = 0 ] || status=1
+    STATUS[$part]=$v; TOOK[$part]=$(( SECONDS - t0 ))
+    say ""
+done
+
+# -- summary ------------------------------------------------------------------------------------
+say "## Summary"
 say ""
+say "| part | status | seconds | budget |"
+say "|---|---|---:|---:|"
+for part in "${parts[@]}"; do say "| $part | ${STATUS[$part]} | ${TOOK[$part]} | ${BUDGET[$part]} |"; done
+say ""
+say "whole check: $(( SECONDS - started )) s (total budget $total s)"
+say ""
+"$py" -m benchmarks.check targets "$csv" "${parts[@]}" 2>>"$logs/targets.log" | tee -a "$report"
+say ""
+
+# -- CSV files and logs beside the report ---------------------------------------------------------
+if [ -n "${OUT:-}" ]; then  # few files come back from OUT: two archives
+    tar -czf "$stem.csv.tar.gz" -C "$tmp" csv
+    tar -czf "$stem.logs.tar.gz" -C "$tmp" logs
+    for f in "$stem.csv.tar.gz" "$stem.logs.tar.gz"; do
+        size=$(wc -c <"$f")
+        [ "$size" -le $(( 15 * 1024 * 1024 )) ] || say "- $(basename "$f") is $size bytes, over what comes back from OUT (16 MiB a file)"
+    done
+    say "files: gpu_report.md, gpu_report.csv.tar.gz (every table's rows), gpu_report.logs.tar.gz (logs)"
+else
+    rm -rf "$stem.csv" "$stem.logs" && cp -r "$csv" "$stem.csv" && cp -r "$logs" "$stem.logs"
+    say "files: $(basename "$report"), $(basename "$stem").csv/ (every table's rows), $(basename "$stem").logs/ (logs)"
+fi
 say "gpu_check.sh: exit status $status"
 note "report: $report"
 exit "$status"

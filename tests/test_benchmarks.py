@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +21,8 @@ HEADERS = [
     "## kernels", "### kernels: static PTX",
     "## compile", "### compile: ms per training step",
     "## fp8", "### fp8: linear forward + backward", "### fp8: ours vs torchao float8 training",
-    "### fp8: GPT training step", "### fp8: GPT peak memory",
+    "### fp8: GPT training step", "### fp8: DelayedScaling gradient error",
+    "### fp8: kernels per linear forward + backward on the CUDA path", "### fp8: GPT peak memory",
 ]
 
 
@@ -63,17 +62,3 @@ def test_device_cuda_without_cuda_is_a_clear_error():
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     assert "--device cuda: no CUDA GPU is available here" in res.stderr
     assert "## train-step" not in res.stdout  # nothing ran
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the script runs the whole GPU check")
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-def test_gpu_check_script_refuses_a_machine_without_cuda(tmp_path):
-    script = REPO / "scripts" / "gpu_check.sh"
-    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
-    env = {**os.environ, "PYTHON": sys.executable, "REPORT": str(tmp_path / "report.md")}
-    env.pop("OUT", None)
-    res = subprocess.run(["bash", str(script), "--bench-only", "--quick"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=HANG_GUARD_S)
-    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
-    assert "no CUDA GPU is visible to torch here" in res.stderr
-    assert not (tmp_path / "report.md").exists()

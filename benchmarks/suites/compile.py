@@ -34,7 +34,7 @@ import torch._dynamo
 import dispatch_amp
 
 from . import train_step
-from .common import (Table, amp_dtype, device_of, failure, free_device_memory, interleaved, ratio_stats,
+from .common import (Table, amp_dtype, device_of, dtype_name, failure, free_device_memory, interleaved, ratio_stats,
                      synchronizer, training_step, verdict)
 
 NAME = "compile"
@@ -54,7 +54,15 @@ def _region(config: str, device: torch.device = torch.device("cpu")):
     return lambda: dispatch_amp.autocast(device.type, dtype=dtype)
 
 
-def _make_step(model, batch, config: str, backend: str, device: torch.device = torch.device("cpu")):
+def make_step(model, batch, config: str, backend: str, device: torch.device = torch.device("cpu")):
+    """One SGD training step of ``model`` under ``config`` (one of ``CONFIGS``): the loss
+    function compiled with ``backend`` for the "compiled" ones, backward and SGD eager.
+
+    Example::
+
+        step = make_step(net, (x, y), "ours compiled", "inductor", torch.device("cuda"))
+        step()  # the first call compiles
+    """
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     loss_fn = torch.compile(model.loss, backend=backend) if config.endswith("compiled") else model.loss
     return training_step(opt, loss_fn, _region(config, device), batch)
@@ -66,7 +74,7 @@ def _compile_seconds(base, batch, config: str, backend: str) -> float:
     import torch._inductor.config as inductor_config
 
     torch._dynamo.reset()
-    step = _make_step(copy.deepcopy(base), batch, config, backend)
+    step = make_step(copy.deepcopy(base), batch, config, backend)
     with inductor_config.patch(force_disable_caches=True):
         t0 = time.perf_counter()
         step()
@@ -84,7 +92,7 @@ def _time_model(name: str, quick: bool, rounds: int, backend: str) -> dict:
         compile_s[config].append(_compile_seconds(base, batch, config, backend))
     compile_s = {c: statistics.mean(v) for c, v in compile_s.items()}
     torch._dynamo.reset()
-    steps = {c: _make_step(copy.deepcopy(base), batch, c, backend) for c in CONFIGS}
+    steps = {c: make_step(copy.deepcopy(base), batch, c, backend) for c in CONFIGS}
     s = interleaved(steps, rounds, warmup=2)
     ms = {c: statistics.median(v) * 1e3 for c, v in s.items()}
     compiled = ratio_stats(s["ours compiled"], s["native compiled"])
@@ -103,28 +111,37 @@ def _time_model(name: str, quick: bool, rounds: int, backend: str) -> dict:
     }
 
 
-def _time_model_cuda(name: str, index: int, quick: bool, rounds: int, backend: str) -> dict:
-    """CUDA: each compiled configuration compiles once, in its first (timed) call, and that
-    compiled step is then timed with the others."""
-    device = torch.device("cuda")
-    desc, base, batch = train_step.case(name, quick, device)
+def time_compiled(name: str, index: int, quick: bool, rounds: int, backend: str,
+                  device: torch.device = torch.device("cuda")) -> dict:
+    """The GPU run's row for model ``name`` (``train_step.gpu_case`` on ``device``): each
+    compiled configuration compiles once, in its first (timed) call, and that compiled step
+    is then timed with the eager ones, each sample synchronized. ``index`` alternates which
+    of native and ours compiles first.
+
+    Example::
+
+        row = time_compiled("cnn", 0, quick=True, rounds=3, backend="aot_eager", device=torch.device("cpu"))
+        row["ours/native compiled"]
+    """
+    sync = synchronizer(device) or (lambda: None)
+    desc, base, batch = train_step.gpu_case(name, quick, device)
     base.train()
     torch._dynamo.reset()
-    steps = {c: _make_step(copy.deepcopy(base), batch, c, backend, device) for c in CONFIGS}
+    steps = {c: make_step(copy.deepcopy(base), batch, c, backend, device) for c in CONFIGS}
     del base
     order = ("native compiled", "ours compiled")
     if index % 2:
         order = order[::-1]
     compile_s = {}
     for config in order:
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         steps[config]()
-        torch.cuda.synchronize()
+        sync()
         compile_s[config] = time.perf_counter() - t0
     k = 1 if quick else train_step.CUDA_STEPS_PER_SAMPLE[name]
     fns = {c: train_step._repeat(f, k) for c, f in steps.items()}
-    s = interleaved(fns, rounds, warmup=2, sync=torch.cuda.synchronize)
+    s = interleaved(fns, rounds, warmup=2, sync=synchronizer(device))
     s = {c: [t / k for t in v] for c, v in s.items()}
     ms = {c: statistics.median(v) * 1e3 for c, v in s.items()}
     compiled = ratio_stats(s["ours compiled"], s["native compiled"])
@@ -146,16 +163,20 @@ def _time_model_cuda(name: str, index: int, quick: bool, rounds: int, backend: s
     }
 
 
-def _run_cuda(opts):
-    device = torch.device("cuda")
-    rounds = 3 if opts.quick else 11
-    backend = "aot_eager" if opts.quick else "inductor"
-    _warm_up(backend, device)
-    title = (f"compile: ms per training step (CUDA fp16, SGD), torch.compile backend {backend}, "
+def gpu_table(rounds: int, backend: str, quick: bool, device: torch.device = torch.device("cuda")) -> Table:
+    """The empty table that ``time_compiled`` rows go into.
+
+    Example::
+
+        table = gpu_table(21, "inductor", quick=False)
+        table.rows.append(time_compiled("cnn", 0, False, 21, "inductor"))
+    """
+    where = "CUDA fp16" if device.type == "cuda" else f"{device.type.upper()} {dtype_name(amp_dtype(device))}"
+    title = (f"compile: ms per training step ({where}, SGD), torch.compile backend {backend}, "
              f"{rounds} interleaved rounds, each sample synchronized")
-    if opts.quick:
+    if quick:
         title += " (quick sizes: a smoke test, not a measurement)"
-    table = Table(title, [
+    return Table(title, [
         ("model", "model", "{}"),
         ("native_eager_ms", "native eager", "{:.2f}"),
         ("ours_eager_ms", "ours eager", "{:.2f}"),
@@ -175,13 +196,21 @@ def _run_cuda(opts):
     ], note="First call = compilation (caches on: the second of the two may reuse the first's cached graph, "
             "so no compile-time verdict). Compiled: torch.compile of the loss function; backward and SGD eager. "
             "MLP 10 and LSTM 2 steps per sample.")
+
+
+def _run_cuda(opts):
+    device = torch.device("cuda")
+    rounds = 3 if opts.quick else 11
+    backend = "aot_eager" if opts.quick else "inductor"
+    warm_up(backend, device)
+    table = gpu_table(rounds, backend, opts.quick, device)
     benchmark_mode = torch.backends.cudnn.benchmark
     torch.backends.cudnn.benchmark = False  # as the train-step suite: heuristics, no autotuning time
     try:
         for i, name in enumerate(MODELS):
             t0 = time.perf_counter()
             try:
-                row = _time_model_cuda(name, i, opts.quick, rounds, backend)
+                row = time_compiled(name, i, opts.quick, rounds, backend, device)
             except Exception as e:  # noqa: BLE001 - one model failing leaves the others' rows
                 traceback.print_exc(file=sys.stdout)
                 row = {"model": train_step.CUDA_DESCRIPTIONS.get(name, name), "native_eager_ms": failure(e)}
@@ -197,8 +226,13 @@ def _run_cuda(opts):
     return [table]
 
 
-def _warm_up(backend: str, device: torch.device = torch.device("cpu")) -> None:
-    """One throwaway compilation: the first in a process also pays for loading the compiler."""
+def warm_up(backend: str, device: torch.device = torch.device("cpu")) -> None:
+    """One throwaway compilation: the first in a process also pays for loading the compiler.
+
+    Example::
+
+        warm_up("inductor", torch.device("cuda"))  # before timing any first call
+    """
     torch._dynamo.reset()
     torch.compile(lambda x: (x * 2).sum(), backend=backend)(torch.ones(4, device=device))
     sync = synchronizer(device)
@@ -211,7 +245,7 @@ def run(opts) -> list[Table]:
         return _run_cuda(opts)
     rounds = 3 if opts.quick else 21
     backend = "aot_eager" if opts.quick else "inductor"
-    _warm_up(backend)
+    warm_up(backend)
     title = (
         f"compile: ms per training step (CPU bf16, SGD), torch.compile backend {backend}, "
         f"{rounds} interleaved rounds"

@@ -8,18 +8,24 @@ inductor; aot_eager with ``--quick``; ``DelayedScaling`` bound to the model firs
 1. Linear forward + backward, M x K x N = 4096 x 8192 x 16384: input (M, K) bfloat16
    requiring grad, weight (N, K) float32 parameter with a bias, ``y.backward(dy)`` with a
    fixed bfloat16 ``dy``. Reported: ms per forward + backward, speedup over bf16 in the same
-   mode (median of per-round ratios bf16 time / fp8 time). Target: eager fp8 current
-   >= 1.25x. If torchao is importable (never required): its float8 training
+   mode (median of per-round ratios bf16 time / fp8 time). Targets (eager): fp8 current
+   >= 1.35x, fp8 delayed >= 1.5x. If torchao is importable (never required): its float8 training
    (``convert_to_float8_training`` on the same Linear wrapped in a module, tensorwise
    dynamic scaling, under ``torch.autocast`` bfloat16, compiled) against ours compiled
    with CurrentScaling, the same scaling; target ours / torchao <= 1.03.
 2. A GPT training step, AdamW: vocab 32000, d_model 2048, 16 pre-norm blocks (16 heads,
    ``nn.Linear`` qkv / proj / MLP, causal ``F.scaled_dot_product_attention``), 8 x 2048
    tokens; bf16, fp8 current, fp8 delayed, eager and compiled. Reported: tokens/s and the
-   fp8 / bf16 tokens/s ratio (median of per-round ratios), target >= 1.15. Peak memory
+   fp8 / bf16 tokens/s ratio (median of per-round ratios), target >= 1.15 eager and
+   >= 1.25 compiled. Peak memory
    (eager): one process per configuration (``run.py --child``), which resets
    ``torch.cuda.max_memory_allocated`` after a warm-up step and reads it after two steps,
-   so the timings never share a process with it; target fp8 peak <= bf16 peak.
+   so the timings never share a process with it; target fp8 peak <= 0.97 x bf16 peak.
+3. DelayedScaling's gradient error against bf16 for every parameter of the GPT at its
+   calls 1, 2 and 3 (from the same weights, no optimizer step), beside CurrentScaling's;
+   target: the worst within 0.02 of CurrentScaling's worst.
+4. Kernels per linear forward + backward on the CUDA path, counted on CPU, from
+   ``benchmarks/fp8_kernel_count.py`` where that module is present (target <= 20).
 
 Method: the configurations of a table share one set of weights (for the GPT one model
 and one optimizer: a copy per configuration, AdamW states included, would not fit beside
@@ -31,8 +37,8 @@ Correctness, on every device: before any timing each configuration runs once fro
 same weights and inputs (no optimizer step); reported per configuration is the max
 relative error of its output (the loss, for the GPT) and gradients against bf16 in the same
 mode, ``max|fp8 - bf16| / max|bf16|`` per tensor (for gradients the worst tensor), and
-whether all of them are finite. DelayedScaling is primed by one call on the same inputs
-first: its first call casts with scale 1, by design.
+whether all of them are finite. DelayedScaling is primed by two calls on the same inputs
+first (``DELAYED_PRIMING_CALLS``): its first calls scale from a short history.
 
 On CPU fp8 gemms have no speed advantage (no fp8 matrix units): the suite checks
 correctness only, at small sizes, and its timing and memory columns say so. ``--quick`` uses tiny sizes everywhere (every gemm
@@ -49,6 +55,7 @@ peak-memory processes run at the same time on a GPU of 40 GiB or more (each read
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import statistics
 import sys
@@ -66,10 +73,13 @@ from .common import (Table, device_of, failure, free_device_memory, gpu_memory_g
                      run_children, training_step, verdict)
 
 NAME = "fp8"
-LINEAR_TARGET = 1.25  # eager fp8 current speedup over bf16
+LINEAR_TARGETS = {"fp8 current": 1.35, "fp8 delayed": 1.5}  # eager speedup over bf16
 TORCHAO_TARGET = 1.03  # ours compiled / torchao compiled, time
-GPT_TARGET = 1.15  # fp8 / bf16 tokens/s
-MEMORY_TARGET = 1.00  # fp8 / bf16 peak memory
+GPT_TARGETS = {"eager": 1.15, "compiled": 1.25}  # fp8 / bf16 tokens/s
+MEMORY_TARGET = 0.97  # fp8 / bf16 peak memory
+DELAYED_ERROR_TARGET = 0.02  # DelayedScaling's worst gradient error over CurrentScaling's, calls 1 to 3
+KERNEL_COUNT_TARGET = 20  # kernels per linear fwd+bwd on the CUDA path
+DELAYED_PRIMING_CALLS = 2  # DelayedScaling calls before its error is read or it is timed
 LINEAR_CONFIGS = ("bf16", "fp8 current", "fp8 delayed", "fp8 rowwise")
 GPT_CONFIGS = ("bf16", "fp8 current", "fp8 delayed")
 MODES = ("eager", "compiled")
@@ -136,7 +146,7 @@ def _finite(tensors) -> str:
 def _correctness(configs, run, collect, columns) -> tuple[dict, dict]:
     """One forward + backward per (mode, configuration), bf16 first in each mode.
 
-    ``run(key)`` runs it (DelayedScaling after a priming call); ``collect(out)`` -> the
+    ``run(key)`` runs it (DelayedScaling after its priming calls); ``collect(out)`` -> the
     output and gradients it left, by name, the output first; ``columns(errs)`` -> the
     row's error columns from the per-tensor relative errors against bf16. Returns
     (columns per key, failure per key): a configuration that raises is reported in its row
@@ -149,7 +159,8 @@ def _correctness(configs, run, collect, columns) -> tuple[dict, dict]:
             key = mode, config
             try:
                 if config == "fp8 delayed":
-                    run(key)  # priming: the history's first amaxes
+                    for _ in range(DELAYED_PRIMING_CALLS):  # the history's first amaxes
+                        run(key)
                 got = collect(run(key))
             except Exception as e:  # noqa: BLE001
                 failed[key] = failure(e)
@@ -178,7 +189,16 @@ def _torchao_module(lin: nn.Linear):
     return convert_to_float8_training(nn.Sequential(copy.deepcopy(lin))), None
 
 
-def _linear_tables(device: torch.device, quick: bool, backend: str, timed: bool) -> list[Table]:
+def linear_tables(device: torch.device, quick: bool, backend: str, timed: bool, observe=None) -> list[Table]:
+    """The linear's table (per mode and configuration) and the torchao side by side.
+    ``observe(steps)``, if given, is called after the timings with the timed closures
+    (``(mode, config) -> fwd+bwd``, and ``"torchao"`` when it ran): the GPU check profiles
+    them there.
+
+    Example::
+
+        table, vs_torchao = linear_tables(torch.device("cuda"), False, "inductor", timed=True)
+    """
     m, k, n = _linear_dims(device, quick)
     rounds, iters = (3, 2) if quick else ((11, 5) if device.type == "cuda" else (21, 10))
     gen = torch.Generator().manual_seed(0)
@@ -226,6 +246,8 @@ def _linear_tables(device: torch.device, quick: bool, backend: str, timed: bool)
             torchao, torchao_status = None, "torchao " + failure(e)
 
     s = _timed(steps, device, rounds, iters) if timed else None
+    if observe is not None:
+        observe(dict(steps))
     flops = 3 * 2 * m * k * n  # the forward gemm and the two backward gemms
 
     title = (f"fp8: linear forward + backward, {m} x {k} x {n} (M x K x N), bf16 input, fp32 weight + bias; "
@@ -240,11 +262,11 @@ def _linear_tables(device: torch.device, quick: bool, backend: str, timed: bool)
         ("out_err", "out err", "{:.2e}"), ("dx_err", "dx err", "{:.2e}"), ("dw_err", "dw err", "{:.2e}"),
         ("db_err", "db err", "{:.2e}"), ("finite", "finite", "{}"),
     ], note="speedup = median of per-round bf16 time / fp8 time, same mode. err = max|fp8 - bf16| / max|bf16| "
-            "per tensor, against bf16 in the same mode (delayed: after one priming call).")
+            "per tensor, against bf16 in the same mode (delayed: after its priming calls).")
     for mode in MODES:
         for config in LINEAR_CONFIGS:
             row = {"mode": mode, "config": config, "rounds": rounds if timed else 0, **errors.get((mode, config), {})}
-            target = LINEAR_TARGET if (mode, config) == ("eager", "fp8 current") else None
+            target = LINEAR_TARGETS.get(config) if mode == "eager" else None
             if target is not None:
                 row["target"] = f">= {target:.2f}"
             if (mode, config) in failed:
@@ -374,7 +396,14 @@ def _optimizer(model: nn.Module, device: torch.device):
     return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
 
 
-def _gpt_table(device: torch.device, quick: bool, backend: str, timed: bool) -> Table:
+def gpt_table(device: torch.device, quick: bool, backend: str, timed: bool, observe=None) -> Table:
+    """The GPT training step per mode and configuration. ``observe(steps)``, if given, is
+    called after the timings with the timed closures (``(mode, config) -> step``).
+
+    Example::
+
+        table = gpt_table(torch.device("cuda"), False, "inductor", timed=True)
+    """
     size = _gpt_size(device, quick)
     rounds, iters = (3, 1) if quick else ((9, 1) if device.type == "cuda" else (11, 2))
     model, batch = _gpt_case(size, device)
@@ -406,6 +435,8 @@ def _gpt_table(device: torch.device, quick: bool, backend: str, timed: bool) -> 
     opt.zero_grad(set_to_none=True)
 
     s = _timed(steps, device, rounds, iters) if timed else None
+    if observe is not None:
+        observe(dict(steps))
     tokens = size.batch * size.seq
     n_params = parameter_count(size)
     title = (f"fp8: GPT training step, {_count(n_params)} parameters ({n_params:,}), {size.describe()}, AdamW; "
@@ -421,12 +452,12 @@ def _gpt_table(device: torch.device, quick: bool, backend: str, timed: bool) -> 
         ("finite", "finite", "{}"),
     ], note="fp8/bf16 tokens/s = median of per-round bf16 time / fp8 time, same mode. loss err = "
             "|fp8 - bf16| / |bf16|; grad err = the worst parameter's max|fp8 - bf16| / max|bf16|; one "
-            "forward + backward from the same weights (delayed: after one priming call).")
+            "forward + backward from the same weights (delayed: after its priming calls).")
     for mode in MODES:
         for config in GPT_CONFIGS:
             row = {"mode": mode, "config": config, "rounds": rounds if timed else 0, **errors.get((mode, config), {})}
             if config != "bf16":
-                row["target"] = f">= {GPT_TARGET:.2f}"
+                row["target"] = f">= {GPT_TARGETS[mode]:.2f}"
             if (mode, config) in failed:
                 row["ms"] = failed[mode, config]
             elif not timed:
@@ -436,12 +467,19 @@ def _gpt_table(device: torch.device, quick: bool, backend: str, timed: bool) -> 
                 row.update(ms=sec * 1e3, tokens_s=tokens / sec)
                 if config != "bf16" and (mode, "bf16") in s:
                     st = ratio_stats(s[mode, "bf16"], s[mode, config])
-                    row.update(st, met=verdict(st["ratio"], GPT_TARGET, at_most=False))
+                    row.update(st, met=verdict(st["ratio"], GPT_TARGETS[mode], at_most=False))
             table.rows.append(row)
     return table
 
 
-def _memory_table(device: torch.device, quick: bool) -> Table:
+def memory_table(device: torch.device, quick: bool) -> Table:
+    """The GPT's peak memory per configuration, each in its own process (CUDA only: on CPU
+    the rows say "not measured").
+
+    Example::
+
+        table = memory_table(torch.device("cuda"), quick=False)
+    """
     size = _gpt_size(device, quick)
     title = f"fp8: GPT peak memory, eager training step, {size.describe()}, AdamW; " + (
         "one process per configuration, torch.cuda.max_memory_allocated over 2 steps after a warm-up step"
@@ -486,6 +524,89 @@ def _child_peaks(quick: bool) -> dict:
     return out
 
 
+# -- 3. DelayedScaling's first calls ---------------------------------------------------------
+def delayed_error_table(device: torch.device, quick: bool) -> Table:
+    """Every parameter's gradient error against bf16 under DelayedScaling at its calls 1, 2
+    and 3, beside CurrentScaling's, on the GPT (eager, the same weights and inputs, no
+    optimizer step); the last row is the worst over all parameters, with the target.
+
+    Example::
+
+        table = delayed_error_table(torch.device("cuda"), quick=False)
+        table.rows[-1]["met"]
+    """
+    size = _gpt_size(device, quick)
+    model, batch = _gpt_case(size, device)
+    names = [name for name, _ in model.named_parameters()]
+
+    def grads(recipe) -> dict:
+        model.zero_grad(set_to_none=True)
+        with _region(device, recipe)():
+            loss = model.loss(*batch)
+        loss.backward()
+        return {name: p.grad for name, p in model.named_parameters()}
+
+    ref = {name: g.detach().clone() for name, g in grads(None).items()}
+    errors = {"current": {name: _rel_err(g, ref[name]) for name, g in grads(fp8.CurrentScaling()).items()}}
+    delayed = fp8.DelayedScaling().bind(model)
+    calls = (1, 2, 3)
+    for call in calls:  # errors read as each call ends: only the reference grads are kept
+        errors[call] = {name: _rel_err(g, ref[name]) for name, g in grads(delayed).items()}
+    model.zero_grad(set_to_none=True)
+
+    title = (f"fp8: DelayedScaling gradient error against bf16 at its calls 1 to 3, every parameter, GPT "
+             f"{size.describe()}, eager; beside CurrentScaling's")
+    if quick:
+        title += " (quick sizes: a smoke test, not a measurement)"
+    table = Table(title, [
+        ("parameter", "parameter", "{}"), ("current", "current", "{:.2e}"), ("call_1", "delayed call 1", "{:.2e}"),
+        ("call_2", "delayed call 2", "{:.2e}"), ("call_3", "delayed call 3", "{:.2e}"),
+        ("excess", "worst delayed - current", "{:+.3f}"), ("target", "target", "{}"), ("met", "met?", "{}"),
+    ], note="err = max|fp8 - bf16| / max|bf16| of the parameter's gradient (nan: not finite). Every call starts "
+            "from the same weights and inputs; a zero gradient where bf16's is not gives 1.0.")
+    for name in names:
+        row = {"parameter": name, "current": errors["current"][name],
+               **{f"call_{c}": errors[c][name] for c in calls}}
+        row["excess"] = max(errors[c][name] for c in calls) - errors["current"][name]
+        table.rows.append(row)
+    worst = {key: max(errs.values()) for key, errs in errors.items()}
+    excess = max(worst[c] for c in calls) - worst["current"]
+    table.rows.append({"parameter": "worst of all parameters", "current": worst["current"],
+                       **{f"call_{c}": worst[c] for c in calls}, "excess": excess,
+                       "target": f"<= {DELAYED_ERROR_TARGET:+.2f}",
+                       "met": verdict(excess, DELAYED_ERROR_TARGET)})
+    del model, batch, ref
+    free_device_memory(device)
+    return table
+
+
+# -- 4. kernels per linear on the CUDA path ---------------------------------------------------
+KERNEL_COUNT_MODULE = "benchmarks.fp8_kernel_count"
+
+
+def cuda_path_kernel_counts(opts) -> list[Table]:
+    """Kernels per linear forward + backward on the CUDA path, counted on CPU by
+    ``benchmarks/fp8_kernel_count.py`` where that module is present: its ``tables(opts)``
+    (Tables, target <= ``KERNEL_COUNT_TARGET``) are printed as they come. Without it, one
+    table row says so.
+
+    Example::
+
+        for table in cuda_path_kernel_counts(argparse.Namespace(quick=True, device="cpu")):
+            print(table.markdown())
+    """
+    try:
+        module = importlib.import_module(KERNEL_COUNT_MODULE)
+    except ModuleNotFoundError as e:
+        if e.name != KERNEL_COUNT_MODULE:  # the module is there but something it imports is not
+            raise
+        return [Table("fp8: kernels per linear forward + backward on the CUDA path, counted on CPU",
+                      [("status", "status", "{}"), ("target", "target", "{}")],
+                      rows=[{"status": "not measured: benchmarks/fp8_kernel_count.py is not in this checkout",
+                             "target": f"<= {KERNEL_COUNT_TARGET}"}])]
+    return list(module.tables(opts))
+
+
 def child(args: list[str], opts) -> None:
     """``run.py --child fp8 gpt-memory CONFIG``: print the peak CUDA memory of two eager
     GPT training steps (after a warm-up step) as JSON."""
@@ -506,17 +627,20 @@ def child(args: list[str], opts) -> None:
 
 
 def run(opts):
-    """Yields the linear tables, the GPT table and the memory table (measured first, while
-    this process holds no GPU memory: the children then have the whole GPU)."""
+    """Yields the linear tables, the GPT table, DelayedScaling's first calls, the CUDA path's
+    kernel counts and the memory table (measured first, while this process holds no GPU
+    memory: the children then have the whole GPU)."""
     device = device_of(opts)
     backend = "aot_eager" if opts.quick else "inductor"
     timed = device.type == "cuda"  # on CPU fp8 has nothing to gain: correctness only
-    memory = _memory_table(device, opts.quick)
+    memory = memory_table(device, opts.quick)
     torch._dynamo.reset()
-    yield from _linear_tables(device, opts.quick, backend, timed)
-    torch._dynamo.reset()
-    free_device_memory(device)
-    yield _gpt_table(device, opts.quick, backend, timed)
+    yield from linear_tables(device, opts.quick, backend, timed)
     torch._dynamo.reset()
     free_device_memory(device)
+    yield gpt_table(device, opts.quick, backend, timed)
+    torch._dynamo.reset()
+    free_device_memory(device)
+    yield delayed_error_table(device, opts.quick)
+    yield from cuda_path_kernel_counts(opts)
     yield memory

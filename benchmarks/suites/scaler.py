@@ -121,7 +121,14 @@ def _step_fn(kind: str, opts, device: torch.device = torch.device("cpu")):
     return step
 
 
-def _step_table(quick: bool, rounds: int, device: torch.device = torch.device("cpu")) -> Table:
+def step_table(quick: bool, rounds: int, device: torch.device = torch.device("cpu")) -> Table:
+    """Scaler step + update, ours against ``torch.amp.GradScaler``, with 1 SGD, 2 SGDs and
+    fused AdamW, and the host syncs of one step of each (``SyncCounter``).
+
+    Example::
+
+        table = step_table(quick=True, rounds=3)
+    """
     n, numel = _sizes(quick, device)
     where = ", CUDA, each sample synchronized" if device.type == "cuda" else ""
     table = Table(
@@ -194,15 +201,23 @@ def _check_against_torch(sizes, device) -> str:
     return "yes" if bad == 0 else f"NO ({bad} tensors differ)"
 
 
-def _unscale_table_cuda(quick: bool, rounds: int) -> Table:
-    device = torch.device("cuda")
+def unscale_vs_copy_table(quick: bool, rounds: int, device: torch.device = torch.device("cuda")) -> Table:
+    """Ours (Triton on CUDA) against torch's fused op and a device copy of the same bytes, on
+    ``cuda_grad_sizes(quick)`` gradients. On CUDA, CUDA events around the calls; elsewhere
+    (the GPU check's dry run) the host clock, and ours is torch's op there.
+
+    Example::
+
+        table = unscale_vs_copy_table(quick=False, rounds=21)  # ~1 GB of gradients on the GPU
+    """
     sizes = cuda_grad_sizes(quick)
     total = sum(sizes)
     calls = 2 if quick else 5
     gb = total * 4 / 1e9
+    clock = "CUDA events" if device.type == "cuda" else "the host clock"
     table = Table(
-        f"scaler: unscale + check on CUDA, {len(sizes)} fp32 gradients of mixed sizes, {gb:.2f} GB "
-        f"(us per call: CUDA events around {calls} calls, median of {rounds} interleaved rounds)"
+        f"scaler: unscale + check on {device.type.upper()}, {len(sizes)} fp32 gradients of mixed sizes, {gb:.2f} GB "
+        f"(us per call: {clock} around {calls} calls, median of {rounds} interleaved rounds)"
         + (" (quick sizes: a smoke test, not a measurement)" if quick else ""),
         [("provider", "provider", "{}"), ("time_us", "time (us)", "{:.0f}"), ("gb_moved", "GB moved", "{:.2f}"),
          ("gb_s", "GB/s", "{:.0f}"), ("of_copy", "of copy GB/s", "{:.1%}"), ("ratio", "time / torch", "{:.3f}"),
@@ -218,7 +233,11 @@ def _unscale_table_cuda(quick: bool, rounds: int) -> Table:
     dst = torch.empty_like(src)
     inv, found = torch.tensor(INV_SCALE, device=device), torch.zeros((), device=device)
     triton_path = uses_triton(device)
-    ours = "ours unscale_check_ (" + ("Triton" if triton_path else "torch fallback: no triton") + ")"
+    if triton_path:
+        path = "Triton"
+    else:  # off CUDA backend "auto" is torch's fused op by design; on CUDA only without triton
+        path = "torch fallback: no triton" if device.type == "cuda" else f"torch's op on {device.type}"
+    ours = f"ours unscale_check_ ({path})"
     fns = {
         "copy (same bytes, device to device)": lambda: dst.copy_(src),
         "torch _amp_foreach_non_finite_check_and_unscale_": lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv),
@@ -226,7 +245,11 @@ def _unscale_table_cuda(quick: bool, rounds: int) -> Table:
         "ours check_finite_ (read-only)": lambda: check_finite_(grads, found),
     }
     moved = {name: total * (4 if "read-only" in name else 8) for name in fns}
-    s = interleaved_events(fns, rounds, warmup=2, calls=calls)
+    if device.type == "cuda":
+        s = interleaved_events(fns, rounds, warmup=2, calls=calls)
+    else:
+        s = interleaved({k: (lambda fn=fn: [fn() for _ in range(calls)]) for k, fn in fns.items()}, rounds, warmup=2)
+        s = {k: [t / calls for t in v] for k, v in s.items()}
     copy_name, torch_name = list(fns)[:2]
     if found.item() != 0.0:
         matches = "NO (found_inf raised on finite gradients)"
@@ -253,7 +276,7 @@ def run(opts):
     device = device_of(opts)
     rounds = 3 if opts.quick else 21
     if device.type == "cuda":
-        yield _unscale_table_cuda(opts.quick, rounds)
+        yield unscale_vs_copy_table(opts.quick, rounds, device)
     else:
         yield _unscale_table(opts.quick, rounds)
-    yield _step_table(opts.quick, rounds, device)
+    yield step_table(opts.quick, rounds, device)

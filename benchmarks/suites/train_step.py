@@ -63,9 +63,9 @@ CONFIGS = ("fp32", "native", "ours", "native+scaler", "ours+scaler")
 
 def case(model: str, quick: bool, device: torch.device | str = "cpu"):
     """(description, module, batch) for "mlp", "gpt", "cnn" or "lstm"; quick sizes are tiny.
-    On CUDA the module and batch are on the GPU, sized for an H100 (``cuda_case``)."""
+    On CUDA the module and batch are on the GPU, sized for an H100 (``gpu_case``)."""
     if torch.device(device).type == "cuda":
-        return cuda_case(model, quick)
+        return gpu_case(model, quick)
     if model == "mlp":
         depth = 4 if quick else 24
         torch.manual_seed(3)
@@ -92,9 +92,16 @@ def case(model: str, quick: bool, device: torch.device | str = "cpu"):
     raise ValueError(f"unknown model {model!r}")
 
 
-def cuda_case(model: str, quick: bool):
-    """(description, module, batch) on the GPU, sized for an H100; quick sizes are tiny."""
-    dev = torch.device("cuda")
+def gpu_case(model: str, quick: bool, device: torch.device | str = "cuda"):
+    """(description, module, batch) of the GPU run, on ``device``: sized for an H100 (GPT-2
+    small, ResNet-50 channels_last, ...); quick sizes are tiny. The GPU check's dry run
+    builds the tiny ones on CPU, so that it runs the GPU run's code.
+
+    Example::
+
+        desc, net, (x, y) = gpu_case("cnn", quick=True, device="cpu")  # a tiny channels_last ResNet
+    """
+    dev = torch.device(device)
     if model == "mlp":  # the same overhead-bound model as on CPU: per-call cost dominates
         depth = 4 if quick else 24
         torch.manual_seed(3)
@@ -110,12 +117,14 @@ def cuda_case(model: str, quick: bool):
         gpt = M.GPT(cfg)
         gpt.head.weight = gpt.tok.weight  # tied, as GPT-2 (deepcopy keeps the tie)
         n = sum(p.numel() for p in gpt.parameters())
-        desc = (f"GPT{'' if quick else '-2 small'} {n / 1e6:.0f}M params (vocab {cfg.vocab}, d {cfg.d_model}, "
+        desc = (f"GPT{'' if quick else '-2 small'} {n / 1e6:.3g}M params (vocab {cfg.vocab}, d {cfg.d_model}, "
                 f"{cfg.n_heads} heads, {cfg.n_blocks} blocks, tied head), {b}x{t} tok")
         idx, tgt = M.gpt_batch(cfg, b, t, generator=torch.Generator().manual_seed(1))
         return desc, gpt.to(dev), (idx.to(dev), tgt.to(dev))
     if model == "cnn":
-        b, size = (4, 32) if quick else (128, 224)
+        # quick: batch 8, so that a quarter of it (a micro-batch of the GPU check's
+        # accumulation step) still gives BatchNorm's last 1x1 stage 2 values per channel
+        b, size = (8, 32) if quick else (128, 224)
         torch.manual_seed(1)
         net = M.ResNet(blocks=(1, 1, 1, 1), width=8, classes=10) if quick else M.ResNet()
         x = torch.randn(b, 3, size, size).to(dev, memory_format=torch.channels_last)
