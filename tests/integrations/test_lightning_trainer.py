@@ -3,6 +3,7 @@ checkpoints move between the two with the loss scale kept."""
 
 from __future__ import annotations
 
+import csv
 import warnings
 
 import pytest
@@ -224,8 +225,6 @@ def test_our_trainer_takes_precision_as_written_bit_identically(same):
 
 
 def test_amp_metrics_reach_the_logger_and_show_the_skipped_step(tmp_path):
-    import csv
-
     from lightning.pytorch.loggers import CSVLogger
 
     from dispatch_amp.integrations.lightning import Trainer
@@ -238,6 +237,37 @@ def test_amp_metrics_reach_the_logger_and_show_the_skipped_step(tmp_path):
         rows = [r for r in csv.DictReader(f) if r.get("amp/loss_scale")]
     assert [float(r["amp/loss_scale"]) for r in rows] == model.scales
     assert [float(r["amp/skipped_steps"]) for r in rows] == [0, 0, 1, 1, 1]
-    overflow = [r["amp/overflow_params"] for r in rows]
-    assert overflow[INF_STEP] not in ("", None) and float(overflow[INF_STEP]) >= 1
-    assert all(v in ("", None) for k, v in enumerate(overflow) if k != INF_STEP)
+    # Every logged step has every key (fixed schema); the count belongs to the skipped step.
+    assert [float(r["amp/overflow_params"]) for r in rows] == [4.0 if k == INF_STEP else 0.0 for k in range(5)]
+
+
+class ManyBatches(Tiny):
+    """Six steps in one epoch: Lightning keeps a step-logged value for the whole epoch."""
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        data = torch.utils.data.TensorDataset(torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g))
+        return torch.utils.data.DataLoader(data, batch_size=1)
+
+
+def test_overflow_params_is_logged_only_for_the_step_it_belongs_to(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    from dispatch_amp.integrations.lightning import AmpMetrics
+
+    logger = CSVLogger(str(tmp_path), name="run")
+    model = ManyBatches(INF_STEP)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=6, plugins=[_ours_fp16()], logger=logger, log_every_n_steps=1,
+        callbacks=[AmpMetrics()], enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(does not have many workers|bfloat16|GPU available).*")
+        trainer.fit(model)
+    logger.save()
+    with open(f"{logger.log_dir}/metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("amp/loss_scale")]
+    assert [int(r["step"]) for r in rows] == list(range(6))
+    assert [float(r["amp/overflow_params"]) for r in rows] == [4.0 if k == INF_STEP else 0.0 for k in range(6)]
+    assert [float(r["amp/skipped_steps"]) for r in rows] == [float(k >= INF_STEP) for k in range(6)]

@@ -196,11 +196,13 @@ class HalfPrecision(LevelPrecision, _LightningHalfPrecision):
 class AmpMetrics(Callback):
     """Logs the loss scaler's numbers through ``self.log``, so every logger shows them.
 
-    ``amp/loss_scale`` and ``amp/skipped_steps`` every ``every_n_steps`` optimizer steps
-    (default: the Trainer's ``log_every_n_steps``), and ``amp/overflow_params`` (how many
-    gradients held inf/nan) on a logged step that was skipped. One host sync per logged
-    step. Nothing is logged without a scaler (bf16). ``prog_bar=True`` also shows the scale
-    in the progress bar. Our :class:`Trainer` adds it by itself.
+    ``amp/loss_scale``, ``amp/skipped_steps`` and ``amp/overflow_params`` (how many
+    gradients held inf/nan on that step, 0 when it was not skipped) every
+    ``every_n_steps`` optimizer steps (default: the Trainer's ``log_every_n_steps``): the
+    same keys on every logged step, so Lightning, which keeps a step's value for the rest
+    of the epoch, never shows one step's count on another. One host sync per logged step.
+    Nothing is logged without a scaler (bf16). ``prog_bar=True`` also shows the scale in
+    the progress bar. Our :class:`Trainer` adds it by itself.
 
     Example::
 
