@@ -365,6 +365,12 @@ class StepOutcome:
             return (False, 0)
         return self.take(self.device_values(tensors[0].device).tolist())
 
+    def to_host(self) -> StepOutcome:
+        """A copy holding the numbers only, read now (for pickling: no tensor, no reference)."""
+        copy = StepOutcome(None, [], None)
+        copy._host = self.read()
+        return copy
+
 
 def _bf16_marks() -> dict[str, int]:
     return {t: regions_entered(t, torch.bfloat16) for t in ("cpu", "cuda")}
@@ -523,9 +529,7 @@ class ScalerDiagnostics:
         state["names"] = ParameterNames()
         state["_current"] = None
         if self.outcome is not None:
-            outcome = StepOutcome(None, [], None)
-            outcome._host = self.outcome.read()
-            state["outcome"] = outcome
+            state["outcome"] = self.outcome.to_host()
         if self.last is not None:
             report = self.report()
             done = PendingOverflow(report.step, torch.zeros(()))
