@@ -8,7 +8,7 @@ Public:
 * :func:`check_finite_` ``(grads, found_inf, backend="auto", *, nonfinite=None)``: the
   read-only check.
 * :func:`uses_triton` ``(device, backend="auto")``: whether those two launch the Triton
-  kernel there (where per-tensor flags cost no extra pass).
+  kernel there (where per-tensor flags come with the one launch).
 * :func:`update_scale_` ``(state, found_inf, growth_factor, backoff_factor,
   growth_interval, *, hysteresis=1, min_scale=None, max_scale=None, backend="auto")``:
   the device-side loss-scale update, with :class:`ScaleState` holding its tensors.

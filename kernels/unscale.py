@@ -40,8 +40,9 @@ segment while it walks that tensor's tiles and, after the segment, stores 1 into
 ``nonfinite[slot]`` if there was a hit (a program whose range splits a tensor stores for
 its part; two programs storing the same 1 is harmless). The ``PER_TENSOR`` constexpr
 compiles that in only when asked, so without flags the kernel is the same as before.
-torch's fused op has only the one ``found_inf``, so the torch path needs one extra read
-of each gradient it handles (:func:`uses_triton` tells callers which path they get).
+torch's fused op has only the one ``found_inf``, so the torch path gives each gradient a
+call of its own, with its own flag: still one read of each gradient, but one call per
+gradient instead of one per dtype (:func:`uses_triton` tells callers which path they get).
 
 Mixed dtypes share the launch: the dtype column selects the pointer type at run time, and
 all math is fp32 (16-bit values are widened right after the load). bf16 is loaded and
@@ -422,33 +423,10 @@ def unscale_check_reference(
             nonfinite.masked_fill_(per_tensor.to(nonfinite.device), 1)
 
 
-def _mark_nonfinite_(grads, slots, nonfinite: torch.Tensor) -> None:
-    """Set ``nonfinite[slots[j]]`` to 1 where ``grads[j]`` holds an inf or nan; no host sync.
-
-    ``slots`` None means ``grads`` is the caller's whole list, in order. The torch path's
-    per-tensor flags: torch's fused op reports one flag for the whole list, so this is an
-    extra read of every gradient given, the reason ``nonfinite`` is optional and
-    :func:`uses_triton` tells callers when the flags come for free instead.
-    """
-    # min and max are both finite exactly when every value is: nan propagates into both,
-    # +inf becomes the max, -inf the min. aminmax reads each gradient once and, unlike
-    # isfinite(g).all(), allocates no full-size temporary. It rejects empty tensors, which
-    # hold no inf/nan: a finite stand-in takes their place.
-    zero = torch.zeros((), dtype=torch.float32, device=nonfinite.device)
-    extremes = [v for g in grads for v in (torch.aminmax(g) if g.numel() else (zero, zero))]
-    # stack promotes to the widest dtype, so no finite fp64 extreme overflows on the way.
-    hit = torch.isfinite(torch.stack(extremes)).view(-1, 2).all(dim=1).logical_not_()
-    if slots is None:
-        nonfinite.masked_fill_(hit, 1)
-    else:  # the few gradients the Triton kernel could not take: one small write each
-        for j, k in enumerate(slots):
-            nonfinite[k : k + 1].masked_fill_(hit[j : j + 1], 1)
-
-
 def _torch_path(grads, slots, inv_scale, found_inf, nonfinite, store: bool) -> None:
     if nonfinite is not None:
-        # Before the unscale below: the flags are about the values as they came in.
-        _mark_nonfinite_(grads, slots, nonfinite)
+        _flagged_torch_path(grads, slots, inv_scale, found_inf, nonfinite, store)
+        return
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
     for g in grads:
         groups.setdefault(g.dtype, []).append(g)
@@ -459,6 +437,33 @@ def _torch_path(grads, slots, inv_scale, found_inf, nonfinite, store: bool) -> N
             torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale if store else _one_like(found_inf))
         else:
             unscale_check_reference(group, inv_scale, found_inf, store=store)
+
+
+def _flagged_torch_path(grads, slots, inv_scale, found_inf, nonfinite, store: bool) -> None:
+    """The torch path with per-tensor flags: ``nonfinite[slots[j]]`` raised where ``grads[j]``
+    held an inf or nan (``slots`` None: ``grads`` is the caller's whole list, in order).
+
+    torch's fused op has one flag for all the tensors it is given, so here each gradient
+    gets its own call with its own flag: every gradient is still read once, in the pass
+    that unscales (or checks) it, and the flags cost one call per gradient instead of one
+    per dtype (on CPU the op loops over its tensors anyway; on a GPU it is a launch each,
+    where the Triton kernel is the usual path). No host sync.
+    """
+    device = found_inf.device
+    hits = torch.zeros(len(grads), dtype=torch.float32, device=device)
+    multiplier = inv_scale if store else _one_like(found_inf)
+    for g, hit in zip(grads, hits.unbind()):
+        if _has_fused_op(device, g.dtype):
+            torch._amp_foreach_non_finite_check_and_unscale_([g], hit, multiplier)
+        else:
+            unscale_check_reference([g], inv_scale, hit, store=store)
+    hit = hits != 0
+    found_inf.masked_fill_(hit.any(), 1.0)
+    if slots is None:
+        nonfinite.masked_fill_(hit, 1)
+    else:  # the few gradients the Triton kernel could not take: one small write each
+        for j, k in enumerate(slots):
+            nonfinite[k : k + 1].masked_fill_(hit[j : j + 1], 1)
 
 
 _ones: dict[torch.device, torch.Tensor] = {}
@@ -526,10 +531,11 @@ def uses_triton(device: torch.device | str, backend: str = "auto") -> bool:
     gradients on ``device`` with ``backend``.
 
     Callers use it to decide whether to ask for per-tensor flags (``nonfinite=``): the
-    kernel gets them in the same pass, while the torch path needs an extra read of every
-    gradient. Even on the Triton path, gradients the kernel cannot take (fp64, gappy
-    layouts, views not 16-byte aligned) are flagged by that extra read. Raises, like the
-    launchers, for ``backend="triton"`` where it cannot run.
+    kernel gets them in its one launch, while the torch path then checks each gradient in
+    a call of its own (one read of each still, but a call per gradient; on a GPU a launch
+    each). Gradients the kernel cannot take (fp64, gappy layouts, views not 16-byte
+    aligned) take that torch path also on the Triton path. Raises, like the launchers,
+    for ``backend="triton"`` where it cannot run.
 
     Example::
 
@@ -585,8 +591,9 @@ def unscale_check_(
     ``nonfinite``: optional int32 tensor of shape ``(len(grads),)`` on ``found_inf``'s
     device. Entry ``k`` is set to 1 when ``grads[k]`` held an inf or nan (before scaling,
     like ``found_inf``); other entries are left as they are, none is ever cleared. The
-    Triton kernel gets these flags in the same pass; the torch path reads every gradient
-    once more for them, so pass it there only when needed (see :func:`uses_triton`).
+    Triton kernel gets these flags in the same pass; the torch path then checks each
+    gradient in a call of its own (still one read of each, but a call per gradient), so
+    pass it there only when needed (see :func:`uses_triton`).
 
     Example::
 

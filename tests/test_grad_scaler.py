@@ -760,3 +760,171 @@ def test_no_overflow_at_huge_scales_and_nested_iterables_as_torch():
     assert torch.equal(outs[GradScaler][0], outs[torch.amp.GradScaler][0])
     assert outs[GradScaler][1:2] == outs[torch.amp.GradScaler][1:2]
     assert torch.equal(outs[GradScaler][2], outs[torch.amp.GradScaler][2])
+
+
+# ------------------------------------------------------------------------------------------
+# metrics(): the numbers a training log shows, right after any history
+# ------------------------------------------------------------------------------------------
+
+METRIC_OPTIMIZERS = {
+    "sgd": lambda ps: [torch.optim.SGD(ps, lr=0.05)],
+    "fused_adamw": lambda ps: [torch.optim.AdamW(ps, lr=0.01, fused=True)],
+    # One optimizer of each kind: the host reads the first's flag, the second skips on the device.
+    "sgd+fused_adamw": lambda ps: [torch.optim.SGD(ps[:2], lr=0.05), torch.optim.AdamW(ps[2:], lr=0.01, fused=True)],
+}
+
+
+def metrics_step(model, opts, scaler, poison, gen, pre_unscale=False):
+    """One iteration; the gradients of the parameters numbered in ``poison`` get an inf and a nan."""
+    for opt in opts:
+        opt.zero_grad(set_to_none=True)
+    x, y = torch.randn(5, 6, generator=gen), torch.randn(5, 3, generator=gen)
+    scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+    params = list(model.parameters())
+    for k in poison:
+        params[k].grad.view(-1)[0] = float("inf")
+        params[k].grad.view(-1)[-1] = float("nan")
+    if pre_unscale:
+        for opt in opts:
+            scaler.unscale_(opt)
+    for opt in opts:
+        scaler.step(opt)
+    scaler.update()
+
+
+def expected_metrics(schedule, scale):
+    return {"loss_scale": scale, "skipped_steps": sum(1 for p in schedule if p), "steps": len(schedule),
+            "last_step_skipped": int(bool(schedule[-1])), "overflow_params": len(schedule[-1])}
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    kind=st.sampled_from(sorted(METRIC_OPTIMIZERS)),
+    schedule=st.lists(st.sets(st.integers(0, 3)), min_size=1, max_size=6),
+    history_size=st.sampled_from([0, 1, 10_000]),
+    pre_unscale=st.booleans(),
+    backend=st.sampled_from(OUR_BACKENDS),
+)
+def test_metrics_report_each_step_truly_whatever_the_optimizer_and_history(kind, schedule, history_size, pre_unscale, backend):
+    # The oracle for the scale and the skips is torch's scaler on the same run; the count of
+    # overflowing gradients is the number poisoned (fused optimizers included).
+    gen = {cls: torch.Generator().manual_seed(0) for cls in (GradScaler, torch.amp.GradScaler)}
+    model, native_model = make_model(), make_model()
+    opts, native_opts = METRIC_OPTIMIZERS[kind](list(model.parameters())), METRIC_OPTIMIZERS[kind](list(native_model.parameters()))
+    scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=2, history_size=history_size, backend=backend)
+    native = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    for k, poison in enumerate(schedule):
+        metrics_step(model, opts, scaler, poison, gen[GradScaler], pre_unscale)
+        metrics_step(native_model, native_opts, native, poison, gen[torch.amp.GradScaler], pre_unscale)
+        assert scaler.metrics() == expected_metrics(schedule[: k + 1], native.get_scale())
+
+
+def test_metrics_are_one_host_read_and_a_clean_fused_step_counts_nothing(sync_counter):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.isinf, torch.ops.aten.isnan, torch.ops.aten.isfinite, torch.ops.aten.aminmax):
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    model = make_model()
+    opts = METRIC_OPTIMIZERS["fused_adamw"](list(model.parameters()))
+    scaler, gen = GradScaler("cpu"), torch.Generator().manual_seed(0)
+    with sync_counter() as syncs, Counts() as passes:
+        metrics_step(model, opts, scaler, set(), gen)
+    assert syncs.count == 0 and passes.count == 0, "a clean fused step: no sync, no counting pass"
+    metrics_step(model, opts, scaler, {1, 2}, gen)
+    with sync_counter() as syncs:
+        assert scaler.metrics()["overflow_params"] == 2
+    assert syncs.count == 1
+
+
+@pytest.mark.parametrize("kind", sorted(METRIC_OPTIMIZERS))
+def test_metrics_after_load_state_dict_into_a_fresh_scaler_keep_steps_with_skipped_steps(kind):
+    model = make_model()
+    opts = METRIC_OPTIMIZERS[kind](list(model.parameters()))
+    src, gen = GradScaler("cpu", init_scale=2.0**10), torch.Generator().manual_seed(0)
+    for poison in ({0}, set(), {3}, set(), set()):
+        metrics_step(model, opts, src, poison, gen)
+    dst = GradScaler("cpu")
+    dst.load_state_dict(src.state_dict())
+    m = dst.metrics()
+    assert (m["steps"], m["skipped_steps"], m["loss_scale"]) == (5, 2, src.get_scale())
+    # A live scaler that loads the state counts on from it too, history included.
+    live = GradScaler("cpu", history_size=4)
+    metrics_step(model, opts, live, set(), gen)
+    live.load_state_dict(src.state_dict())
+    metrics_step(model, opts, live, {2}, gen)
+    assert live.metrics() == {"loss_scale": live.get_scale(), "skipped_steps": 3, "steps": 6,
+                              "last_step_skipped": 1, "overflow_params": 1}
+    assert [(s, skipped) for s, _, skipped in live.scale_history()] == [(5, True)]
+    # torch's state dict has neither count: both start at 0.
+    from_torch = GradScaler("cpu")
+    from_torch.load_state_dict(torch.amp.GradScaler("cpu").state_dict())
+    assert (from_torch.metrics()["steps"], from_torch.metrics()["skipped_steps"]) == (0, 0)
+
+
+def test_a_state_dict_with_more_skipped_steps_than_steps_is_refused_and_changes_nothing():
+    scaler = stepped_scaler(GradScaler)
+    before = scaler.state_dict()
+    with pytest.raises(ValueError, match="_skipped_steps"):
+        scaler.load_state_dict(dict(before, _steps=1, _skipped_steps=2))
+    assert scaler.state_dict() == before
+
+
+@pytest.mark.parametrize("kind", sorted(METRIC_OPTIMIZERS))
+@pytest.mark.parametrize("copier", [lambda s: pickle.loads(pickle.dumps(s)), copy.deepcopy], ids=["pickle", "deepcopy"])
+def test_metrics_survive_pickling_right_after_a_skip(kind, copier):
+    model = make_model()
+    opts = METRIC_OPTIMIZERS[kind](list(model.parameters()))
+    scaler, gen = GradScaler("cpu", init_scale=2.0**10), torch.Generator().manual_seed(0)
+    for poison in (set(), {0, 3}):
+        metrics_step(model, opts, scaler, poison, gen)
+    want = scaler.metrics()
+    assert want["last_step_skipped"] == 1 and want["overflow_params"] == 2
+    assert copier(scaler).metrics() == want
+
+
+def test_metrics_with_no_history_and_a_fused_optimizer_see_the_skip():
+    model = make_model()
+    opts = METRIC_OPTIMIZERS["fused_adamw"](list(model.parameters()))
+    scaler, gen = GradScaler("cpu", history_size=0), torch.Generator().manual_seed(0)
+    metrics_step(model, opts, scaler, {0}, gen)
+    m = scaler.metrics()
+    assert (m["last_step_skipped"], m["skipped_steps"], m["overflow_params"]) == (1, 1, 1)
+
+
+# ------------------------------------------------------------------------------------------
+# init_scale as a 0-d tensor, as torch's scaler takes it
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("init", [torch.tensor(1024.0), torch.tensor(1024), torch.tensor(1024.0, dtype=torch.float64)],
+                         ids=["float32", "int64", "float64"])
+def test_init_scale_takes_a_0d_tensor_as_torchs_scaler_does(init):
+    ours, native = GradScaler("cpu", init_scale=init), torch.amp.GradScaler("cpu", init_scale=init)
+    # Before the first scale() torch hands back the tensor itself; ours the number it holds.
+    assert ours.get_scale() == 1024.0 and isinstance(ours.get_scale(), float) and native.get_scale() == 1024.0
+    assert ours.state_dict()["scale"] == 1024.0 and isinstance(ours.state_dict()["scale"], float)
+    for scaler in (ours, native):
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler.scale(model(torch.randn(2, 6)).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert ours.scale_tensor().dtype == native._scale.dtype == torch.float32
+    assert ours.get_scale() == native.get_scale() and ours.state_dict()["scale"] == native.state_dict()["scale"]
+
+
+@pytest.mark.parametrize("init, error", [
+    (torch.tensor([1024.0]), TypeError), (torch.tensor(True), TypeError), (torch.tensor(0.0), ValueError),
+    (torch.tensor(float("inf")), ValueError), (torch.tensor(1 + 1j), TypeError),
+], ids=["1-d", "bool", "zero", "inf", "complex"])
+def test_init_scale_tensors_that_hold_no_usable_scale_are_refused_up_front(init, error):
+    with pytest.raises(error, match="init_scale"):
+        GradScaler("cpu", init_scale=init)

@@ -60,3 +60,29 @@ def test_readme_python_examples_run():
     report = namespace["scaler"].last_overflow()
     assert report is not None and report.names == ["0.weight", "0.bias", "2.weight", "2.bias"], (
         "the README's overflow example no longer prints what the README shows")
+
+
+def test_readme_timm_row_swaps_both_the_autocast_and_the_scaler():
+    # timm's train.py builds amp_autocast and loss_scaler and hands both to train_one_epoch,
+    # which runs `with amp_autocast(): output = model(input)`: swapping only the scaler
+    # would leave the forward on torch's autocast.
+    import functools
+    import re
+
+    import torch
+
+    import dispatch_amp as amp
+    from dispatch_amp.integrations.timm_scaler import NativeScaler
+
+    row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| timm-style loops |"))
+    spans = re.findall(r"`([^`]*)`", row)
+    lines = [next(s for s in spans if s.startswith(name + " = ")) for name in ("amp_autocast", "loss_scaler")]
+    namespace = {"functools": functools, "amp": amp, "NativeScaler": NativeScaler, "torch": torch,
+                 "device": torch.device("cpu"), "amp_dtype": torch.bfloat16}
+    for line in lines:
+        exec(line, namespace)
+    region = namespace["amp_autocast"]()
+    assert isinstance(region, amp.autocast) and region.fast_dtype is torch.bfloat16
+    with namespace["amp_autocast"]():
+        assert torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype is torch.bfloat16
+    assert isinstance(namespace["loss_scaler"].scaler, amp.GradScaler)

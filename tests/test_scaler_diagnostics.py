@@ -14,7 +14,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import dispatch_amp as amp
 from dispatch_amp import AmpNumericsWarning, GradScaler
-from dispatch_amp.scaler_diagnostics import NonFiniteGradient, OverflowReport, ParameterNames, ScaleHistory
+from dispatch_amp.scaler_diagnostics import (
+    NonFiniteGradient,
+    OverflowReport,
+    ParameterNames,
+    PendingOverflow,
+    ScaleHistory,
+    StepOutcome,
+)
 
 INF, NAN = float("inf"), float("nan")
 
@@ -159,6 +166,32 @@ def test_scale_history_unit_read_and_validation():
     assert h.read() == [(0, 2.0, True)]
     with pytest.raises(ValueError, match="last"):
         h.read(last=-1)
+
+
+def test_history_restarted_at_a_loaded_step_numbers_on_from_it():
+    h = ScaleHistory(3)
+    for _ in range(5):
+        h.record(torch.tensor(8.0), torch.tensor(0.0))
+    h.restart_at(40)
+    assert h.read() == [] and h.steps == 40  # the old records are of another state
+    h.record(torch.tensor(4.0), torch.tensor(1.0))
+    assert h.read() == [(40, 4.0, True)]
+    assert pickle.loads(pickle.dumps(h.to_host())).read() == [(40, 4.0, True)]
+
+
+def test_step_outcome_counts_fused_flags_and_host_skips_and_is_read_once(sync_counter):
+    p = torch.nn.Parameter(torch.zeros(3))
+    pending = PendingOverflow(step=0, scale=torch.tensor(8.0))
+    pending.add(p, "a", torch.tensor([1.0, INF, 2.0]))
+    pending.add(p, "b", torch.ones(3))  # a candidate without inf/nan is not counted
+    fused = torch.tensor([1, 0, 1], dtype=torch.int32)
+    outcome = StepOutcome(torch.tensor(NAN), [fused], pending)  # a nan flag is a skip too
+    assert not outcome.is_read
+    with sync_counter() as syncs:
+        assert outcome.read() == (True, 3)
+        assert outcome.read() == (True, 3)
+    assert syncs.count == 1 and outcome.is_read
+    assert StepOutcome(torch.tensor(0.0), [torch.zeros(2, dtype=torch.int32)], None).read() == (False, 0)
 
 
 # --------------------------------------------------------------------------------------

@@ -420,3 +420,16 @@ def test_a_patched_scalers_own_warnings_still_point_at_the_callers_line():
         with pytest.warns(amp.AmpNumericsWarning, match="does not need loss scaling") as caught:
             scaler.scale(loss)
     assert caught[0].filename == __file__
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_patched_autocast_on_a_missing_device_warns_at_the_callers_line_as_torchs():
+    with pytest.warns(UserWarning, match="CUDA is not available") as native:
+        torch.autocast("cuda")
+    with patch_torch():
+        with pytest.warns(UserWarning, match="CUDA is not available") as caught:
+            region = torch.autocast("cuda")
+        with region:  # enters disabled, as torch's
+            assert not torch.is_autocast_enabled("cuda")
+    assert native[0].filename == caught[0].filename == __file__
+    assert len([w for w in caught if "CUDA is not available" in str(w.message)]) == 1

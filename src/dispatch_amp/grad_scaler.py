@@ -51,7 +51,7 @@ from .flag_read import read_flags
 from .grad_collection import collect_grads
 from .kernels.scale_update import ScaleState, _update_scale
 from .kernels.unscale import BACKENDS, _check_finite, _unscale_check, uses_triton
-from .scaler_config import FP32_TINY, ScalerConfig, check_scale, is_real, parse_state_dict
+from .scaler_config import FP32_TINY, ScalerConfig, as_number, check_scale, is_real, parse_state_dict
 from .scaler_diagnostics import AmpNumericsWarning, OverflowReport, ScalerDiagnostics
 
 
@@ -86,6 +86,9 @@ class _OptRecord:
     checked_per_device: dict[torch.device, tuple[list, list, Any]] = field(default_factory=dict)
     # device -> the per-gradient flags as read on the host with found_inf (Triton path only).
     nonfinite_host: dict[torch.device, list[int]] = field(default_factory=dict)
+    # Whether the optimizer steps through grad_scale/found_inf (fused): it skips on the
+    # device, so its per-gradient flags are the only count of its overflow.
+    fused: bool = False
 
 
 class GradScaler:
@@ -133,7 +136,7 @@ class GradScaler:
     def __init__(
         self,
         device: str = "cuda",
-        init_scale: float = 2.0**16,
+        init_scale: float | torch.Tensor = 2.0**16,
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
@@ -163,6 +166,8 @@ class GradScaler:
         if not self._enabled:
             return
         self._config = ScalerConfig(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale)
+        # torch's scaler takes a 0-d tensor too (it fills the scale with it); taken by its value.
+        init_scale = as_number("init_scale", init_scale)
         check_scale("init_scale", init_scale)
         self._config.check_within_bounds("init_scale", init_scale)
         self._init_scale = float(init_scale)
@@ -228,12 +233,16 @@ class GradScaler:
         per_device = collect_grads(optimizer, refuse_fp16=not allow_fp16) if collected is None else collected
         flags: dict[torch.device, torch.Tensor] = {}
         checked: dict[torch.device, tuple[list, list, Any]] = {}
+        # A fused optimizer skips on the device: its per-gradient flags are the only count
+        # of its overflow, so it gets them on every path (scaler_diagnostics).
+        fused = getattr(optimizer, "_step_supports_amp_scaling", False)
         with torch.no_grad():
             for device, (params, grads) in per_device.items():
                 flag = found_inf if device == found_inf.device else torch.zeros((), dtype=torch.float32, device=device)
-                # Per-gradient flags only where the kernel sets them in the same pass; the
-                # torch path would pay a pass for them on every step (scaler_diagnostics).
-                nonfinite = torch.zeros(len(grads), dtype=torch.int32, device=device) if uses_triton(device, self._backend) else None
+                # Otherwise per-gradient flags only where the kernel sets them in its one
+                # launch; the torch path would pay a call per gradient on every step.
+                want = fused or uses_triton(device, self._backend)
+                nonfinite = torch.zeros(len(grads), dtype=torch.int32, device=device) if want else None
                 if check_only:
                     _check_finite(grads, flag, self._backend, nonfinite=nonfinite, trusted=True)
                 else:
@@ -421,6 +430,7 @@ class GradScaler:
             retval = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
             rec.stage = OptState.STEPPED
             return retval
+        rec.fused = True
         if rec.stage is OptState.READY:
             found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
             rec.found_inf_per_device = self._unscale_grads_(optimizer, state.scale, found_inf, check_only=True)
@@ -518,7 +528,12 @@ class GradScaler:
                 backend=self._backend,
             )
         seen = [rec.found_inf_host for rec in self._records.values() if rec.found_inf_host is not None]
-        self._diagnostics.on_update(seen, self.get_scale)
+        fused_flags = [
+            nonfinite
+            for rec in self._records.values() if rec.fused
+            for _, _, nonfinite in rec.checked_per_device.values() if nonfinite is not None
+        ]
+        self._diagnostics.on_update(seen, self.get_scale, combined, fused_flags)
         self._records = {}
 
     # ----------------------------------------------------------------------------------
@@ -583,9 +598,12 @@ class GradScaler:
         ``loss_scale`` (what the next step's loss is multiplied by), ``skipped_steps`` and
         ``steps`` (``update()`` calls) so far, ``last_step_skipped`` (0 or 1) and
         ``overflow_params``: how many gradients held inf/nan on that step (0 when it was
-        not skipped, or when only fused optimizers ran, which skip on the device without
-        the host looking). A disabled scaler reports a scale of 1.0 and no steps. Call it
-        only when a log is written: the integrations' metric callbacks do.
+        not skipped), fused optimizers included: they skip on the device, and their
+        per-gradient flags are read here, in the same sync. The counts are of this
+        process's gradients. Pickling keeps all five; ``state_dict()`` keeps the scale,
+        ``steps`` and ``skipped_steps`` (a loaded state starts with no last step). A
+        disabled scaler reports a scale of 1.0 and no steps. Call it only when a log is
+        written: the integrations' metric callbacks do.
 
         Example::
 
@@ -596,25 +614,29 @@ class GradScaler:
             >>> scaler.metrics()
             {'loss_scale': 4.0, 'skipped_steps': 1, 'steps': 1, 'last_step_skipped': 1, 'overflow_params': 1}
         """
-        history = self._diagnostics.history if self._enabled else None
-        steps = history.steps if history is not None else 0
-        if not self._enabled or self._state is None:
-            scale = self._init_scale if self._enabled else 1.0
-            skipped = self._init_skipped_steps if self._enabled else 0
-            return {"loss_scale": float(scale), "skipped_steps": int(skipped), "steps": steps,
-                    "last_step_skipped": 0, "overflow_params": 0}
-        state = self._state
-        device = state.scale.device
-        parts = [state.scale.reshape(1).double(), state.skipped_steps.reshape(1).double()]
-        flag = history.last_flag()
-        parts.append(flag.double().to(device) if flag is not None else torch.zeros(1, dtype=torch.float64, device=device))
-        last = self._diagnostics.last
-        counts = last.counts() if last is not None and last.step == steps - 1 else []
-        parts += [c.double().to(device) for c in counts]
-        values = torch.cat(parts).tolist()  # the one sync
-        skipped_now = bool(counts) or (values[2] != 0.0)  # nan != 0: skipped
-        overflowing = sum(1 for k in range(len(counts)) if values[3 + 2 * k] or values[4 + 2 * k])
-        return {"loss_scale": values[0], "skipped_steps": int(values[1]), "steps": steps,
+        if not self._enabled:
+            return {"loss_scale": 1.0, "skipped_steps": 0, "steps": 0, "last_step_skipped": 0, "overflow_params": 0}
+        steps = self._diagnostics.history.steps
+        outcome = self._diagnostics.outcome
+        if self._state is None:
+            # Before the first scale(), after pickling or loading: the outcome (if any) is
+            # on the host already.
+            skipped_now, overflowing = outcome.read() if outcome is not None else (False, 0)
+            scale, skipped = float(self._init_scale), int(self._init_skipped_steps)
+        else:
+            state = self._state
+            device = state.scale.device
+            parts = [state.scale.reshape(1).double(), state.skipped_steps.reshape(1).double()]
+            unread = outcome is not None and not outcome.is_read
+            if unread:
+                parts.append(outcome.device_values(device))
+            values = torch.cat(parts).tolist()  # the one sync
+            scale, skipped = values[0], int(values[1])
+            if unread:
+                skipped_now, overflowing = outcome.take(values[2:4])
+            else:
+                skipped_now, overflowing = outcome.read() if outcome is not None else (False, 0)
+        return {"loss_scale": scale, "skipped_steps": skipped, "steps": steps,
                 "last_step_skipped": int(skipped_now), "overflow_params": overflowing}
 
     def get_growth_factor(self) -> float:
@@ -742,8 +764,8 @@ class GradScaler:
 
         Torch's keys: ``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
         ``_growth_tracker``. Ours in addition: ``hysteresis``, ``min_scale``, ``max_scale``,
-        ``_hysteresis_tracker``, ``_skipped_steps``. Empty when disabled. Call it after
-        ``update()``. One sync.
+        ``_hysteresis_tracker``, ``_skipped_steps`` and ``_steps`` (``update()`` calls, the
+        ``steps`` of :meth:`metrics`). Empty when disabled. Call it after ``update()``. One sync.
 
         Example::
 
@@ -765,6 +787,7 @@ class GradScaler:
             "_growth_tracker": tracker,
             "_hysteresis_tracker": hyst,
             "_skipped_steps": skipped,
+            "_steps": self._diagnostics.history.steps,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -776,7 +799,11 @@ class GradScaler:
         finite, growth_factor <= 1, ...) raises ``ValueError``/``TypeError`` naming the key,
         and the scaler keeps its state. Keys of
         ours that torch's dict lacks keep this scaler's configuration (hysteresis, bounds)
-        and start their trackers fresh. A no-op when disabled.
+        and start their trackers fresh (``_steps``: at ``_skipped_steps``, the fewest
+        steps that many skips took). The step count of :meth:`metrics` and
+        :meth:`scale_history` continue from the loaded ``_steps``; the history itself, the
+        last overflow report and the last step's flags are not in a state dict and start
+        empty. A no-op when disabled.
 
         Example::
 
@@ -790,6 +817,7 @@ class GradScaler:
         self._config = loaded.config
         self._init_scale, self._init_growth_tracker = loaded.scale, loaded.growth_tracker
         self._init_hysteresis_tracker, self._init_skipped_steps = loaded.hysteresis_tracker, loaded.skipped_steps
+        self._diagnostics.restart(loaded.steps)
         if self._state is not None:
             self._state.scale.fill_(loaded.scale)
             self._state.growth_tracker.fill_(loaded.growth_tracker)

@@ -20,7 +20,7 @@ import torch
 
 from .kernels.scale_update import round_to_float32
 
-__all__ = ["ScalerConfig", "LoadedState", "parse_state_dict", "check_scale", "usable_scale", "FP32_TINY"]
+__all__ = ["ScalerConfig", "LoadedState", "parse_state_dict", "as_number", "check_scale", "usable_scale", "FP32_TINY"]
 
 # The smallest normal float32: below it a scale is subnormal or rounds to 0, and 1/scale
 # overflows to inf or unscales gradients to nan.
@@ -48,6 +48,26 @@ def usable_scale(value: float) -> bool:
     """
     stored = round_to_float32(float(value))
     return math.isfinite(stored) and stored >= FP32_TINY
+
+
+def as_number(name: str, value: Any) -> Any:
+    """``value`` as it is, or the number a 0-d real tensor holds (torch's scaler takes those
+    for ``init_scale``); ``TypeError`` naming ``name`` for any other tensor.
+
+    Example::
+
+        >>> as_number("init_scale", torch.tensor(1024.0)), as_number("init_scale", 8)
+        (1024.0, 8)
+    """
+    if not isinstance(value, torch.Tensor):
+        return value
+    number = _number(value)
+    if isinstance(number, torch.Tensor):
+        raise TypeError(
+            f"{name} must be a number or a 0-d real tensor, got a tensor of shape "
+            f"{tuple(value.shape)} and dtype {value.dtype}; pass a float (tensor.item())."
+        )
+    return number
 
 
 def check_scale(name: str, value) -> None:
@@ -123,13 +143,15 @@ class ScalerConfig:
 
 
 class LoadedState(NamedTuple):
-    """What :func:`parse_state_dict` read: the configuration and the counters."""
+    """What :func:`parse_state_dict` read: the configuration and the counters (``steps``:
+    ``update()`` calls)."""
 
     config: ScalerConfig
     scale: float
     growth_tracker: int
     hysteresis_tracker: int
     skipped_steps: int
+    steps: int
 
 
 def _number(value: Any) -> Any:
@@ -206,5 +228,13 @@ def parse_state_dict(state_dict, current: ScalerConfig) -> LoadedState:
     growth_tracker = integer("_growth_tracker", None, 0, int32_max)
     hysteresis_tracker = integer("_hysteresis_tracker", config.hysteresis, 0, config.hysteresis)
     skipped_steps = integer("_skipped_steps", 0, 0, int64_max)
+    # Without the count of steps (torch's dict, or ours from before it was kept) it
+    # starts at the fewest steps that many skips took.
+    steps = integer("_steps", skipped_steps, 0, int64_max)
+    if skipped_steps > steps:
+        raise ValueError(
+            f"state_dict['_skipped_steps'] ({skipped_steps}) exceeds state_dict['_steps'] ({steps}): "
+            "a step is skipped at most once. The dict is corrupt; load an intact one."
+        )
     config.check_within_bounds("state_dict['scale']", scale)
-    return LoadedState(config, scale, growth_tracker, hysteresis_tracker, skipped_steps)
+    return LoadedState(config, scale, growth_tracker, hysteresis_tracker, skipped_steps, steps)

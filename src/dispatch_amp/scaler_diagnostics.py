@@ -16,6 +16,14 @@ gradients; there, on a skipped step, the scaler counts inf/nan over every gradie
 the optimizer: one extra pass, paid only when a step is skipped, never on a clean one.
 Either way the counts stay on the device until a report is asked for
 (:class:`PendingOverflow`): skipping costs no extra host sync.
+
+A fused optimizer (``_step_supports_amp_scaling``) skips on the device, and the host
+never learns of it during the step. For those the scaler asks the check for per-gradient
+flags on every path (they come from the pass that checks each gradient, see
+``dispatch_amp.kernels.uses_triton``), and keeps them, with the step's combined flag,
+as the step's :class:`StepOutcome`: ``GradScaler.metrics()`` reads whether the step was
+skipped and how many gradients overflowed in its one sync. They name no gradient, so
+:meth:`GradScaler.last_overflow` still covers only the optimizers the host skipped.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ __all__ = [
     "OverflowReport",
     "PendingOverflow",
     "ScaleHistory",
+    "StepOutcome",
     "ParameterNames",
     "ScalerDiagnostics",
 ]
@@ -245,12 +254,21 @@ class ScaleHistory:
         [(1, 8.0, True), (2, 4.0, False)]
     """
 
+    # The first step the buffer may hold (restart_at moves it); a class default for
+    # histories pickled before it existed.
+    _start = 0
+
     def __init__(self, capacity: int) -> None:
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
             raise ValueError(f"history_size must be an int >= 0, got {capacity!r}.")
         self.capacity = capacity
         self.steps = 0  # steps recorded so far (the next step's number)
         self._buffer: torch.Tensor | None = None
+
+    def restart_at(self, step: int) -> None:
+        """Forget every record; the next step recorded is number ``step`` (a loaded checkpoint's count)."""
+        self.steps = self._start = step
+        self._buffer = None
 
     def record(self, scale: torch.Tensor, found_inf: torch.Tensor) -> None:
         """Store this step's scale and whether it was skipped (found_inf nonzero or nan)."""
@@ -266,7 +284,7 @@ class ScaleHistory:
 
     def read(self, last: int | None = None) -> list[tuple[int, float, bool]]:
         """``[(step, scale, skipped), ...]`` for the kept steps (the last ``last`` of them), oldest first. One sync."""
-        kept = min(self.steps, self.capacity)
+        kept = min(self.steps - self._start, self.capacity)
         if last is not None:
             if not isinstance(last, int) or isinstance(last, bool) or last < 0:
                 raise ValueError(f"last must be an int >= 0 or None, got {last!r}.")
@@ -278,18 +296,79 @@ class ScaleHistory:
         rows = self._buffer[order.to(self._buffer.device)].tolist()
         return [(first + k, scale, flag != 0.0) for k, (scale, flag) in enumerate(rows)]  # nan != 0: skipped
 
-    def last_flag(self) -> torch.Tensor | None:
-        """The newest step's raw skip flag (a 1-element device tensor, nonzero or nan:
-        skipped), or None when nothing is kept. No sync."""
-        if not self.steps or not self.capacity or self._buffer is None:
-            return None
-        return self._buffer[(self.steps - 1) % self.capacity, 1:]
-
     def to_host(self) -> ScaleHistory:
         """A copy whose buffer lives on the CPU (for pickling)."""
         copy = ScaleHistory(self.capacity)
-        copy.steps = self.steps
+        copy.steps, copy._start = self.steps, self._start
         copy._buffer = None if self._buffer is None else self._buffer.cpu()
+        return copy
+
+
+class StepOutcome:
+    """What the newest ``update()`` leaves for a training log: was the step skipped, and how
+    many gradients held inf/nan. Kept on the device until read; read at most once.
+
+    ``found_inf``: the step's combined flag (nonzero or nan: skipped), or None when no
+    optimizer was checked (``update(new_scale)`` alone: a clean step). ``fused_flags``:
+    the int32 per-gradient flags of fused optimizers, which skip on the device.
+    ``pending``: the :class:`PendingOverflow` the host built for the optimizers it
+    skipped itself, or None.
+
+    Example::
+
+        >>> flags = torch.tensor([0, 1, 1], dtype=torch.int32)
+        >>> StepOutcome(torch.tensor(1.0), [flags], None).read()
+        (True, 2)
+        >>> StepOutcome(None, [], None).read()
+        (False, 0)
+    """
+
+    def __init__(self, found_inf: torch.Tensor | None, fused_flags: list[torch.Tensor], pending: PendingOverflow | None) -> None:
+        self._found_inf = found_inf
+        self._fused_flags = list(fused_flags)
+        self._pending = pending
+        self._host: tuple[bool, int] | None = None
+
+    @property
+    def is_read(self) -> bool:
+        """Whether the numbers are on the host already (no sync to read them)."""
+        return self._host is not None or (self._found_inf is None and not self._fused_flags and self._pending is None)
+
+    def device_values(self, device: torch.device) -> torch.Tensor:
+        """``[skip flag, overflowing gradients]`` as two float64 on ``device``; no sync."""
+        with torch.no_grad():
+            parts = [torch.zeros(1, dtype=torch.float64, device=device) if self._found_inf is None
+                     else self._found_inf.reshape(1).double().to(device, non_blocking=True)]
+            counted = [f.sum().reshape(1).double().to(device, non_blocking=True) for f in self._fused_flags]
+            if self._pending is not None and self._pending.counts():
+                hits = torch.stack([c.to(device, non_blocking=True) for c in self._pending.counts()]).ne(0).any(dim=1)
+                counted.append(hits.sum().reshape(1).double())
+            overflowing = torch.cat(counted).sum().reshape(1) if counted else torch.zeros(1, dtype=torch.float64, device=device)
+            return torch.cat(parts + [overflowing])
+
+    def take(self, values: list[float]) -> tuple[bool, int]:
+        """Keep the numbers :meth:`device_values` held, read by the caller; returns them."""
+        flag, overflowing = values
+        skipped = flag != 0.0 or self._pending is not None  # nan != 0: skipped
+        self._host = (bool(skipped), int(overflowing))
+        self._found_inf, self._fused_flags, self._pending = None, [], None
+        return self._host
+
+    def read(self) -> tuple[bool, int]:
+        """``(skipped, overflowing gradients)``; one sync the first time, unless already read."""
+        if self._host is not None:
+            return self._host
+        tensors = ([self._found_inf] if self._found_inf is not None else []) + self._fused_flags
+        if self._pending is not None and self._pending.counts():
+            tensors.append(self._pending.counts()[0])
+        if not tensors:
+            return (False, 0)
+        return self.take(self.device_values(tensors[0].device).tolist())
+
+    def to_host(self) -> StepOutcome:
+        """A copy holding the numbers only, read now (for pickling: no tensor, no reference)."""
+        copy = StepOutcome(None, [], None)
+        copy._host = self.read()
         return copy
 
 
@@ -323,6 +402,7 @@ class ScalerDiagnostics:
         self.names = ParameterNames()
         self.last: PendingOverflow | None = None  # the last skipped step's report
         self._current: PendingOverflow | None = None  # the report being built this step
+        self.outcome: StepOutcome | None = None  # the newest step's skip and overflow count
         self.run_of_skips = 0  # consecutive skipped steps the host has seen
         # Apex-style levels keep a dynamic scale with bf16 by definition; they turn this off.
         self.warn_bf16 = True
@@ -373,13 +453,22 @@ class ScalerDiagnostics:
             report = pending.read(self.names)  # not kept: later optimizers of this step may add more
             _log.info("GradScaler: step %d skipped (%s) at scale %s: inf/nan gradients in %s", report.step, type(optimizer).__name__, report.scale, report.summary())
 
-    def on_update(self, host_flags_seen: list[bool], current_scale: Callable[[], float]) -> None:
-        """End of a step: keep its report and watch for runs of skipped steps.
+    def on_update(
+        self,
+        host_flags_seen: list[bool],
+        current_scale: Callable[[], float],
+        found_inf: torch.Tensor | None = None,
+        fused_flags: list[torch.Tensor] = (),
+    ) -> None:
+        """End of a step: keep its report and outcome, and watch for runs of skipped steps.
 
         ``host_flags_seen``: the skip decisions the host read this step (empty when only
         fused optimizers ran: the host never looked, so there is nothing to say).
         ``current_scale`` is called (a sync) only when a warning is emitted.
+        ``found_inf`` and ``fused_flags``: the step's combined flag and the fused
+        optimizers' per-gradient flags, kept as its :class:`StepOutcome` (no sync).
         """
+        self.outcome = StepOutcome(found_inf, list(fused_flags), self._current)
         if self._current is not None:
             self.last, self._current = self._current, None
         if not host_flags_seen:
@@ -403,6 +492,13 @@ class ScalerDiagnostics:
             )
 
     # -- reading -------------------------------------------------------------------------
+
+    def restart(self, steps: int) -> None:
+        """Start over at step ``steps`` (a loaded checkpoint's count): history, reports,
+        the newest outcome and the run of skips are of another state and are dropped."""
+        self.history.restart_at(steps)
+        self.last = self._current = self.outcome = None
+        self.run_of_skips = 0
 
     def add_names(self, source) -> None:
         """Add parameter names from a module or ``(name, parameter)`` pairs."""
@@ -432,6 +528,8 @@ class ScalerDiagnostics:
         state["history"] = self.history.to_host()
         state["names"] = ParameterNames()
         state["_current"] = None
+        if self.outcome is not None:
+            state["outcome"] = self.outcome.to_host()
         if self.last is not None:
             report = self.report()
             done = PendingOverflow(report.step, torch.zeros(()))
@@ -441,4 +539,5 @@ class ScalerDiagnostics:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("outcome", None)  # pickled before outcomes were kept
         self._bf16_marks = _bf16_marks()  # counts of this thread, not the pickling one's

@@ -52,7 +52,7 @@ import weakref
 import torch
 import torch.amp.autocast_mode
 
-from .autocast import autocast
+from .autocast import _usable, autocast
 from .grad_scaler import GradScaler as _OurGradScaler
 from .fp8.recipes import Recipe
 from .policy import BUILTIN_DEVICES, Policy
@@ -196,6 +196,13 @@ def _autocast_class(policy: Policy | None, fp8: Recipe | None = None, uses: _Use
                     stacklevel=2,
                 )
                 enabled = False
+            elif enabled and device_type in _OUR_DEVICES:
+                # The base class would warn from its own __init__, pointing at this frame:
+                # warn here, one frame closer, so the warning points at the user's line.
+                reason = _usable(device_type, torch.get_autocast_dtype(device_type) if dtype is None else dtype)
+                if reason is not None:
+                    warnings.warn(reason, stacklevel=2)
+                    enabled = False
             super().__init__(
                 device_type,
                 dtype,

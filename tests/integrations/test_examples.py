@@ -33,6 +33,18 @@ def test_example_runs(example):
     assert expected in out.stdout, out.stdout
 
 
+def test_the_fabric_example_skips_an_overflowing_step_instead_of_raising():
+    # Fabric's clip_gradients raises on inf/nan gradients by default, on exactly the step
+    # the scaler should skip.
+    pytest.importorskip("lightning")
+    out = subprocess.run(
+        [sys.executable, "examples/lightning_fabric.py", "--steps", "4", "--inf-step", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "4 steps (1 skipped)" in out.stdout, out.stdout
+
+
 def test_every_example_is_run_here():
     integration_examples = {
         p.name for p in (ROOT / "examples").glob("*.py")

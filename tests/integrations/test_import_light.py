@@ -21,7 +21,10 @@ def _loaded_after(statement: str) -> set[str]:
 
 
 def test_dispatch_amp_and_the_integrations_package_load_no_framework():
-    assert _loaded_after("import dispatch_amp, dispatch_amp.integrations, dispatch_amp.integrations.timm_scaler") == set()
+    assert _loaded_after(
+        "import dispatch_amp, dispatch_amp.integrations, dispatch_amp.integrations.timm_scaler, "
+        "dispatch_amp.integrations._precision_flags"
+    ) == set()
 
 
 def test_an_integration_loads_only_its_framework():

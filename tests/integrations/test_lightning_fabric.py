@@ -130,3 +130,68 @@ def test_fabric_autocast_applies_the_plugins_fp8_recipe_and_copies_keep_it():
         with again.forward_context():
             layer(torch.ones(16, 16))
         assert [r.calls for r in again.fp8.report()] == [1]
+
+
+# -- Fabric(precision=...): our Fabric, as our Trainer --------------------------------------------
+def _setup_fabric(fabric):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, optimizer = fabric.setup(model, optimizer)
+    return fabric, model, optimizer
+
+
+def test_our_fabric_takes_precision_as_written(same):
+    from dispatch_amp.integrations.fabric import Fabric as OurFabric
+    from dispatch_amp.integrations.fabric import HalfPrecision
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(GPU available|bfloat16).*")
+        stock = _train(*_setup_fabric(Fabric(accelerator="cpu", devices=1, precision="bf16-mixed")), 4)
+        fabric = OurFabric(accelerator="cpu", devices=1, precision="bf16-mixed")
+    assert isinstance(fabric.strategy.precision, MixedPrecision)
+    ours = _train(*_setup_fabric(fabric), 4)
+    assert same(ours[0], stock[0]) and same(ours[1], stock[1])
+    # 16-mixed on CPU: float16 with our scaler, as the plugin given explicitly (and a warning).
+    explicit = _train(*_setup(_ours("16-mixed")), 5, inf_step=2)
+    with pytest.warns(UserWarning, match="Lightning's own Fabric would switch to precision='bf16-mixed'"):
+        fabric = OurFabric(accelerator="cpu", devices=1, precision="16-mixed", amp_scaler_options=INIT)
+    written = _train(*_setup_fabric(fabric), 5, inf_step=2)
+    assert same(written[0], explicit[0]) and written[2] == explicit[2]
+    true = OurFabric(accelerator="cpu", devices=1, precision="16-true", amp_opt_level="O2").strategy.precision
+    assert isinstance(true, HalfPrecision) and true.props.master_weights
+    assert not isinstance(OurFabric(accelerator="cpu", devices=1, precision="32-true").strategy.precision, MixedPrecision)
+    with pytest.raises(ValueError, match="apply to precision='16-mixed', 'bf16-mixed', '16-true' or 'bf16-true'"):
+        OurFabric(accelerator="cpu", precision="32-true", amp_policy=amp.Policy.for_device("cpu"))
+
+
+def test_our_fabric_with_precision_beside_a_plugin_and_with_an_accelerator_object():
+    from lightning.fabric.accelerators import CPUAccelerator
+
+    from dispatch_amp.integrations.fabric import Fabric as OurFabric
+
+    plugin = MixedPrecision("bf16-mixed", "cpu")
+    assert OurFabric(accelerator="cpu", precision="bf16-mixed", plugins=[plugin]).strategy.precision is plugin
+    with pytest.raises(ValueError, match=r"Fabric\(precision='16-mixed'\) was given together with plugins=.*pass one of them"):
+        OurFabric(accelerator="cpu", precision="16-mixed", plugins=[plugin])
+    precision = OurFabric(accelerator=CPUAccelerator(), precision="bf16-mixed").strategy.precision
+    assert isinstance(precision, MixedPrecision) and precision.device == "cpu"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_our_fabric_on_a_missing_accelerator_gets_lightnings_error_and_no_warning_of_ours():
+    from dispatch_amp.integrations.fabric import Fabric as OurFabric
+
+    with pytest.raises(Exception) as stock:
+        Fabric(accelerator="gpu", precision="16-mixed")
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(type(stock.value)) as ours:
+        warnings.simplefilter("always")
+        OurFabric(accelerator="gpu", precision="16-mixed")
+    assert str(ours.value) == str(stock.value)
+    assert [str(w.message) for w in caught if "dispatch_amp" in w.filename] == []
+
+
+def test_a_fabric_plugin_without_a_device_names_the_plugin_and_the_fix():
+    with pytest.raises(TypeError, match=r"MixedPrecision\('bf16-mixed'\) needs the device type") as err:
+        MixedPrecision("bf16-mixed")
+    assert "PolicyPrecision" not in str(err.value)

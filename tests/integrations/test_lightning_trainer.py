@@ -3,6 +3,7 @@ checkpoints move between the two with the loss scale kept."""
 
 from __future__ import annotations
 
+import csv
 import warnings
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 pl = pytest.importorskip("lightning.pytorch")
 
 import dispatch_amp as amp  # noqa: E402
-from dispatch_amp.integrations.lightning import MixedPrecision  # noqa: E402
+from dispatch_amp.integrations.lightning import HalfPrecision, MixedPrecision  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision as StockMixedPrecision  # noqa: E402
 
 INF_STEP = 2
@@ -224,8 +225,6 @@ def test_our_trainer_takes_precision_as_written_bit_identically(same):
 
 
 def test_amp_metrics_reach_the_logger_and_show_the_skipped_step(tmp_path):
-    import csv
-
     from lightning.pytorch.loggers import CSVLogger
 
     from dispatch_amp.integrations.lightning import Trainer
@@ -238,6 +237,125 @@ def test_amp_metrics_reach_the_logger_and_show_the_skipped_step(tmp_path):
         rows = [r for r in csv.DictReader(f) if r.get("amp/loss_scale")]
     assert [float(r["amp/loss_scale"]) for r in rows] == model.scales
     assert [float(r["amp/skipped_steps"]) for r in rows] == [0, 0, 1, 1, 1]
-    overflow = [r["amp/overflow_params"] for r in rows]
-    assert overflow[INF_STEP] not in ("", None) and float(overflow[INF_STEP]) >= 1
-    assert all(v in ("", None) for k, v in enumerate(overflow) if k != INF_STEP)
+    # Every logged step has every key (fixed schema); the count belongs to the skipped step.
+    assert [float(r["amp/overflow_params"]) for r in rows] == [4.0 if k == INF_STEP else 0.0 for k in range(5)]
+
+
+class ManyBatches(Tiny):
+    """Six steps in one epoch: Lightning keeps a step-logged value for the whole epoch."""
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        data = torch.utils.data.TensorDataset(torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g))
+        return torch.utils.data.DataLoader(data, batch_size=1)
+
+
+def test_overflow_params_is_logged_only_for_the_step_it_belongs_to(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    from dispatch_amp.integrations.lightning import AmpMetrics
+
+    logger = CSVLogger(str(tmp_path), name="run")
+    model = ManyBatches(INF_STEP)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=6, plugins=[_ours_fp16()], logger=logger, log_every_n_steps=1,
+        callbacks=[AmpMetrics()], enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(does not have many workers|bfloat16|GPU available).*")
+        trainer.fit(model)
+    logger.save()
+    with open(f"{logger.log_dir}/metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("amp/loss_scale")]
+    assert [int(r["step"]) for r in rows] == list(range(6))
+    assert [float(r["amp/overflow_params"]) for r in rows] == [4.0 if k == INF_STEP else 0.0 for k in range(6)]
+    assert [float(r["amp/skipped_steps"]) for r in rows] == [float(k >= INF_STEP) for k in range(6)]
+
+
+# -- our Trainer behaves as Lightning's, or says why not --------------------------------------
+def _quiet_trainer(**kwargs):
+    return dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs)
+
+
+def test_16_mixed_on_cpu_trains_float16_and_says_lightning_would_use_bfloat16():
+    from dispatch_amp.integrations.lightning import Trainer
+
+    with pytest.warns(UserWarning, match=r"Lightning's own Trainer would switch to precision='bf16-mixed'") as caught:
+        trainer = Trainer(accelerator="cpu", precision="16-mixed", **_quiet_trainer())
+    ours = [w for w in caught if "dispatch_amp trains in float16" in str(w.message)]
+    assert len(ours) == 1 and ours[0].filename == __file__, "the warning points at the user's line"
+    assert trainer.precision_plugin.precision == "16-mixed" and isinstance(trainer.precision_plugin.scaler, amp.GradScaler)
+    # Lightning's own Trainer there: bfloat16, with a warning of its own.
+    with pytest.warns(UserWarning, match="Using `precision='bf16-mixed'` instead"):
+        assert pl.Trainer(accelerator="cpu", precision="16-mixed", **_quiet_trainer()).precision_plugin.precision == "bf16-mixed"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # bfloat16, or float16 off the CPU: nothing to say
+        Trainer(accelerator="cpu", precision="bf16-mixed", **_quiet_trainer())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+@pytest.mark.parametrize("accelerator", ["gpu", "cuda"])
+def test_a_missing_accelerator_gets_lightnings_error_and_no_warning_of_ours(accelerator):
+    from dispatch_amp.integrations.lightning import Trainer
+
+    with pytest.raises(Exception) as stock:
+        pl.Trainer(accelerator=accelerator, precision="16-mixed", **_quiet_trainer())
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(type(stock.value)) as ours:
+        warnings.simplefilter("always")
+        Trainer(accelerator=accelerator, precision="16-mixed", **_quiet_trainer())
+    assert str(ours.value) == str(stock.value)
+    assert [str(w.message) for w in caught if "dispatch_amp" in w.filename] == []
+
+
+def test_an_accelerator_lightning_accepts_but_we_find_no_device_for_is_refused(monkeypatch):
+    from dispatch_amp.integrations import _precision_flags
+    from dispatch_amp.integrations.lightning import Trainer
+
+    monkeypatch.setattr(_precision_flags, "device_available", lambda device: False)
+    with pytest.raises(RuntimeError, match="finds no such device here, yet Lightning accepted it"):
+        Trainer(accelerator="cpu", precision="bf16-mixed", **_quiet_trainer())
+
+
+def test_precision_beside_a_plugin_is_taken_when_they_agree_and_refused_clearly_when_not():
+    from dispatch_amp.integrations.lightning import Trainer
+
+    plugin = MixedPrecision("bf16-mixed", "cpu")
+    trainer = Trainer(accelerator="cpu", precision="bf16-mixed", plugins=[plugin], **_quiet_trainer())
+    assert trainer.precision_plugin is plugin
+    assert Trainer(accelerator="cpu", precision="bf16", plugins=plugin, **_quiet_trainer()).precision_plugin is plugin
+    half = HalfPrecision("bf16-true", "cpu")
+    assert Trainer(accelerator="cpu", precision="bf16-true", plugins=[half], **_quiet_trainer()).precision_plugin is half
+    for precision in ("16-mixed", "32-true"):
+        with pytest.raises(ValueError, match=rf"precision={precision!r}\) was given together with plugins=.*pass one of them"):
+            Trainer(accelerator="cpu", precision=precision, plugins=[plugin], **_quiet_trainer())
+    with pytest.raises(ValueError, match="amp_scaler_options configure the plugin this Trainer builds"):
+        Trainer(accelerator="cpu", precision="16-mixed", plugins=[_ours_fp16()], amp_scaler_options={"init_scale": 2.0},
+                **_quiet_trainer())
+    # Lightning's plugin beside precision= is the same case.
+    stock = StockMixedPrecision("bf16-mixed", "cpu")
+    assert Trainer(accelerator="cpu", precision="bf16-mixed", plugins=[stock], **_quiet_trainer()).precision_plugin is stock
+
+
+def test_an_accelerator_object_is_taken_as_lightning_takes_it(same):
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    from dispatch_amp.integrations.lightning import Trainer
+
+    by_name, _ = _fit_with(Trainer, 3, precision="bf16-mixed", logger=False)
+    model = Tiny(INF_STEP)
+    trainer = Trainer(accelerator=CPUAccelerator(), devices=1, max_steps=3, precision="bf16-mixed", num_sanity_val_steps=0,
+                      **_quiet_trainer())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(does not have many workers|bfloat16|GPU available).*")
+        trainer.fit(model)
+    assert isinstance(trainer.precision_plugin, MixedPrecision) and trainer.precision_plugin.device == "cpu"
+    assert same(model.losses, by_name.losses)
+    with pytest.raises(ValueError, match="cannot tell the autocast device of accelerator=<object"):
+        Trainer(accelerator=object(), precision="bf16-mixed", **_quiet_trainer())
+
+
+def test_a_plugin_without_a_device_names_the_plugin_and_the_fix():
+    with pytest.raises(TypeError, match=r"MixedPrecision\('16-mixed'\) needs the device type .* MixedPrecision\('16-mixed', 'cuda'\)") as err:
+        MixedPrecision("16-mixed")
+    assert "PolicyPrecision" not in str(err.value)

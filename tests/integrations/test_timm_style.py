@@ -9,6 +9,8 @@ exist``). The reference below is the sequence timm's ``NativeScaler.__call__`` r
 
 from __future__ import annotations
 
+import csv
+
 import pytest
 import torch
 
@@ -296,3 +298,33 @@ def test_conflicting_device_arguments_are_refused():
         NativeScaler(amp.GradScaler("cpu"), device="cpu")
     with pytest.raises(TypeError, match="device twice"):
         NativeScaler("cpu", device="cpu")
+
+
+def _update_summary(epoch, train_metrics, filename, write_header):
+    """The CSV part of timm's ``utils.update_summary``: a ``DictWriter`` per row whose fields
+    are that row's keys, and the header written with the first row only."""
+    row = {"epoch": epoch, **{"train_" + k: v for k, v in train_metrics.items()}}
+    with open(filename, mode="a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=row.keys())
+        if write_header:
+            writer.writeheader()
+        writer.writerow(row)
+
+
+def test_amp_metrics_keep_timms_summary_csv_whole(tmp_path):
+    # Each epoch's train metrics carry the scaler's numbers; the middle epoch ends on a
+    # skipped step, the others on clean ones: every row must still fit the header.
+    from dispatch_amp.integrations.metrics import amp_metrics
+
+    model, opt = _model_and_optimizer()
+    loss_scaler = NativeScaler(amp.GradScaler("cpu", **INIT))
+    path = tmp_path / "summary.csv"
+    for epoch, inf_step in enumerate([None, 1, None]):
+        losses, _ = _train(model, opt, loss_scaler, amp.autocast, 2, inf_step=inf_step)
+        metrics = {"loss": float(losses[-1]), **amp_metrics(loss_scaler.scaler)}
+        _update_summary(epoch, metrics, path, write_header=epoch == 0)
+    with open(path, newline="") as f:
+        header, *rows = list(csv.reader(f))
+    assert [len(r) for r in rows] == [len(header)] * 3
+    overflow = header.index("train_amp/overflow_params")
+    assert [int(r[overflow]) for r in rows] == [0, 4, 0]

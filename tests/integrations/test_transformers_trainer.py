@@ -263,9 +263,12 @@ def test_amp_metrics_reach_the_trainers_logs_and_show_the_skipped_step(tmp_path)
     logged = [h for h in trainer.state.log_history if "amp/loss_scale" in h]
     assert len(logged) == 6 and [h["amp/loss_scale"] for h in logged] == trainer.scales
     assert [h["amp/skipped_steps"] for h in logged] == [0] * INF_STEP + [1] * (6 - INF_STEP)
-    # The key marks the skipped step; its count is 0 here: the Trainer's fused AdamW skips on
-    # the device, where the host never looks at each gradient.
-    assert ["amp/overflow_params" in h for h in logged] == [k == INF_STEP for k in range(6)]
+    # Every log has the key (fixed schema); the skipped step's count is the true one, also
+    # with the Trainer's default fused AdamW, which skips on the device.
+    assert trainer.args.optim == "adamw_torch_fused" and trainer.optimizer.optimizer.defaults["fused"]
+    overflowing = sum(1 for g in trainer.grads[INF_STEP] if not torch.isfinite(g).all())
+    assert overflowing > 0
+    assert [h["amp/overflow_params"] for h in logged] == [overflowing if k == INF_STEP else 0 for k in range(6)]
     assert [s["amp/skipped_steps"] for s in seen if "amp/skipped_steps" in s] == [h["amp/skipped_steps"] for h in logged]
 
 
@@ -283,3 +286,31 @@ def test_the_callback_adds_the_metrics_for_a_stock_trainer(tmp_path):
     trainer.callback_handler.callbacks.insert(0, AmpMetricsCallback(trainer.accelerator))
     trainer.train()
     assert [s["amp/loss_scale"] for s in seen if "loss" in s] == [65536.0, 65536.0]
+
+
+def test_fp16_on_cpu_trains_float16_and_says_the_stock_trainer_stays_float32(tmp_path):
+    import warnings
+
+    def args(**precision):
+        return transformers.TrainingArguments(str(tmp_path), use_cpu=True, report_to=[], save_strategy="no", **precision)
+
+    with pytest.warns(UserWarning, match="stock transformers Trainer ignores fp16 here and trains in float32") as caught:
+        trainer = Trainer(model=_model(), args=args(fp16=True))
+    ours = [w for w in caught if "dispatch_amp's Trainer" in str(w.message)]
+    assert len(ours) == 1 and ours[0].filename == __file__, "the warning points at the user's line"
+    assert trainer.accelerator.dispatch_amp.dtype is torch.float16 and isinstance(trainer.accelerator.scaler, amp.GradScaler)
+    AcceleratorState._reset_state(True)
+    stock = transformers.Trainer(model=_model(), args=args(fp16=True))
+    assert stock.accelerator.scaler is None and not stock.accelerator.native_amp  # float32, silently
+    for kwargs in ({"bf16": True}, {}):
+        AcceleratorState._reset_state(True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            Trainer(model=_model(), args=args(**kwargs))
+        assert not [w for w in caught if "dispatch_amp's Trainer" in str(w.message)]
+    # Where the stock Trainer runs float16 too (a GPU), there is nothing to say.
+    AcceleratorState._reset_state(True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        OurGpuLikeTrainer(model=_model(), args=args(fp16=True))
+    assert not [w for w in caught if "dispatch_amp's Trainer" in str(w.message)]

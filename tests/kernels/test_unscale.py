@@ -345,10 +345,10 @@ def test_per_tensor_flags_of_gradients_routed_to_torch_inside_a_triton_call(monk
     grads[2][7] = float("nan")
     grads[5][0] = float("-inf")
     grads[6][8999] = float("nan")
-    # The extra torch-path check sees exactly the gradients the kernel does not take.
+    # The torch path sees exactly the gradients the kernel does not take.
     checked = []
-    mark = unscale_mod._mark_nonfinite_
-    monkeypatch.setattr(unscale_mod, "_mark_nonfinite_", lambda g, slots, nf: (checked.extend(slots), mark(g, slots, nf)))
+    flagged = unscale_mod._flagged_torch_path
+    monkeypatch.setattr(unscale_mod, "_flagged_torch_path", lambda g, slots, *a: (checked.extend(slots), flagged(g, slots, *a)))
     inv = inv_of(3.0)
     ref, found_ref = oracle(grads, inv)
     found, nonfinite = torch.zeros(()), torch.zeros(len(grads), dtype=torch.int32)
@@ -379,7 +379,7 @@ def test_triton_flags_come_from_the_same_pass(monkeypatch):
     # Only gradients the kernel takes: one launch, with PER_TENSOR, and no torch-path check.
     spy = KernelSpy(unscale_mod._unscale_check_kernel)
     monkeypatch.setattr(unscale_mod, "_unscale_check_kernel", spy)
-    monkeypatch.setattr(unscale_mod, "_mark_nonfinite_", lambda *a: pytest.fail("extra pass over kernel gradients"))
+    monkeypatch.setattr(unscale_mod, "_flagged_torch_path", lambda *a: pytest.fail("extra pass over kernel gradients"))
     grads = [torch.randn(5000), torch.tensor([1.0, float("nan")]).half()]
     nonfinite = torch.zeros(2, dtype=torch.int32)
     unscale_check_(grads, torch.tensor(0.5), torch.zeros(()), backend="triton", nonfinite=nonfinite)
@@ -390,7 +390,7 @@ def test_triton_flags_come_from_the_same_pass(monkeypatch):
 
 @pytest.mark.parametrize("backend", FLAG_BACKENDS)
 def test_nonfinite_none_is_the_old_behaviour(monkeypatch, backend):
-    monkeypatch.setattr(unscale_mod, "_mark_nonfinite_", lambda *a: pytest.fail("per-tensor check without nonfinite"))
+    monkeypatch.setattr(unscale_mod, "_flagged_torch_path", lambda *a: pytest.fail("per-tensor check without nonfinite"))
     if backend == "triton":
         spy = KernelSpy(unscale_mod._unscale_check_kernel)
         monkeypatch.setattr(unscale_mod, "_unscale_check_kernel", spy)
@@ -575,3 +575,32 @@ def test_public_entries_take_complex_gradients_as_real_and_imaginary_parts(parts
     assert found.item() == want_found.item()
     if not want_found.item():
         assert torch.equal(torch.view_as_real(grad), want)
+
+
+@pytest.mark.parametrize("store", [True, False], ids=["unscale_check_", "check_finite_"])
+def test_torch_path_flags_come_from_the_pass_that_checks(monkeypatch, store):
+    # Each gradient is read once: by the call that checks (and unscales) it, with its own
+    # flag; no separate inf/nan pass runs.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.fused, self.other = [], 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten._amp_foreach_non_finite_check_and_unscale_:
+                self.fused.append(len(args[0]))
+            elif func.overloadpacket in (torch.ops.aten.isinf, torch.ops.aten.isnan, torch.ops.aten.aminmax):
+                self.other += 1
+            return func(*args, **(kwargs or {}))
+
+    grads = [torch.ones(50), torch.tensor([1.0, float("inf")]).half(), torch.ones(3, dtype=torch.bfloat16)]
+    found, nonfinite = torch.zeros(()), torch.zeros(3, dtype=torch.int32)
+    with Reads() as reads:
+        if store:
+            unscale_mod._unscale_check(grads, torch.tensor(0.5), found, "torch", nonfinite=nonfinite)
+        else:
+            unscale_mod._check_finite(grads, found, "torch", nonfinite=nonfinite)
+    assert reads.fused == [1, 1, 1] and reads.other == 0
+    assert nonfinite.tolist() == [0, 1, 0] and found.item() == 1.0

@@ -80,13 +80,19 @@ class PolicyPrecision:
     def __init__(
         self,
         precision: str,
-        device: str,
+        device: str | None = None,
         scaler: Any = None,
         *,
         policy: Policy | None = None,
         scaler_options: Mapping[str, Any] | None = None,
         fp8: Recipe | None = None,
     ) -> None:
+        if device is None:
+            # Lightning's plugin takes the device as a required argument too; say which.
+            raise TypeError(
+                f"{type(self).__name__}({precision!r}) needs the device type to autocast on as its "
+                f"second argument: {type(self).__name__}({precision!r}, 'cuda') (or 'cpu', 'mps', 'xpu')"
+            )
         super().__init__(precision, device, make_scaler(precision, device, scaler, scaler_options))
         self.policy = policy
         self.fp8 = fp8

@@ -274,7 +274,7 @@ def log_amp_metrics(accelerator: Accelerator, step: int | None = None) -> dict[s
         >>> from accelerate import Accelerator
         >>> accelerator = Accelerator(cpu=True); _ = install_amp(accelerator, dtype="fp16")
         >>> log_amp_metrics(accelerator, step=0)
-        {'amp/loss_scale': 65536.0, 'amp/skipped_steps': 0}
+        {'amp/loss_scale': 65536.0, 'amp/skipped_steps': 0, 'amp/overflow_params': 0}
     """
     metrics = amp_metrics(getattr(accelerator, "scaler", None))
     if metrics:

@@ -22,19 +22,29 @@ scale, a policy or fp8 recipe for the forward)::
 
     fabric = L.Fabric(plugins=[HalfPrecision("16-true", "cuda", opt_level="O2")])
 
+Or keep ``Fabric(precision="16-mixed")`` as written, with :class:`Fabric` from here::
+
+    # from lightning.fabric import Fabric
+    from dispatch_amp.integrations.fabric import Fabric
+
 Importing this module imports ``lightning``.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+from lightning.fabric import Fabric as _LightningFabric
 from lightning.fabric.plugins.precision import HalfPrecision as _FabricHalfPrecision
 from lightning.fabric.plugins.precision import MixedPrecision as _FabricMixedPrecision
+from lightning.fabric.plugins.precision import Precision as _FabricPrecision
 
 from ..autocast import autocast
 from ._half import LevelPrecision, grads_to_masters, swap_masters_into
 from ._modes import PolicyPrecision
+from ._precision_flags import refuse_missing_device, route
 
-__all__ = ["MixedPrecision", "HalfPrecision"]
+__all__ = ["MixedPrecision", "HalfPrecision", "Fabric"]
 
 
 class MixedPrecision(PolicyPrecision, _FabricMixedPrecision):
@@ -134,3 +144,45 @@ class HalfPrecision(LevelPrecision, _FabricHalfPrecision):
         if self.scaler is None:
             return super().optimizer_step(optimizer, **kwargs)
         return self._scaled_step(optimizer, **kwargs)
+
+
+class Fabric(_LightningFabric):
+    """``lightning.fabric.Fabric`` whose 16-bit precisions run dispatch_amp, as our Lightning ``Trainer``.
+
+    ``precision="16-mixed"`` / ``"bf16-mixed"`` (and ``16``, ``"16"``, ``"bf16"``) become
+    ``plugins=[MixedPrecision(precision, device)]``, and ``"16-true"`` / ``"bf16-true"``
+    ``plugins=[HalfPrecision(precision, device)]``, the device taken from ``accelerator``
+    (a name or an accelerator object); every other precision is Fabric's own. Extra
+    keywords, all optional: ``amp_policy``, ``amp_fp8`` (both plugins' ``policy``,
+    ``fp8``), ``amp_scaler_options`` (mixed: the scaler's), ``amp_opt_level`` and
+    ``amp_opt_overrides`` (true: ``opt_level`` and a dict of the level's overrides).
+
+    Where it differs from Lightning's Fabric, it says so: ``"16-mixed"`` on CPU trains in
+    float16 with our GradScaler and warns that Lightning's would use bfloat16 there;
+    ``precision=`` beside a precision plugin is taken when both name the same precision
+    (else a ``ValueError`` says which to drop). An accelerator this machine lacks gets
+    Lightning's own error, with no plugin built first.
+
+    Example::
+
+        >>> fabric = Fabric(accelerator="cpu", precision="bf16-mixed")
+        >>> type(fabric.strategy.precision).__name__, fabric.strategy.precision.precision
+        ('MixedPrecision', 'bf16-mixed')
+
+        # from lightning.fabric import Fabric
+        from dispatch_amp.integrations.fabric import Fabric
+
+        fabric = Fabric(accelerator="cuda", precision="16-mixed")
+    """
+
+    def __init__(self, *, precision: Any = None, plugins: Any = None, amp_policy: Any = None,
+                 amp_scaler_options: Any = None, amp_fp8: Any = None, amp_opt_level: str | None = None,
+                 amp_opt_overrides: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        amp = {"amp_policy": amp_policy, "amp_fp8": amp_fp8, "amp_scaler_options": amp_scaler_options,
+               "amp_opt_level": amp_opt_level, "amp_opt_overrides": amp_opt_overrides}
+
+        precision, plugins, device_missing = route("Fabric", precision, plugins, kwargs, _FabricPrecision,
+                                                       (MixedPrecision, HalfPrecision), amp)
+        super().__init__(precision=precision, plugins=plugins or None, **kwargs)
+        if device_missing:
+            refuse_missing_device("Fabric", kwargs.get("accelerator"))

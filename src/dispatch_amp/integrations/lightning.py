@@ -38,10 +38,12 @@ from lightning.pytorch import Callback
 from lightning.pytorch import Trainer as _LightningTrainer
 from lightning.pytorch.plugins.precision import HalfPrecision as _LightningHalfPrecision
 from lightning.pytorch.plugins.precision import MixedPrecision as _LightningMixedPrecision
+from lightning.pytorch.plugins.precision import Precision as _LightningPrecision
 
 from ..autocast import autocast
-from ._half import TRUE_PRECISIONS, LevelPrecision, grads_to_masters, swap_masters_into
+from ._half import LevelPrecision, grads_to_masters, swap_masters_into
 from ._modes import PolicyPrecision, precision_dtype
+from ._precision_flags import as_list, refuse_missing_device, route
 from .metrics import amp_metrics
 
 __all__ = ["MixedPrecision", "HalfPrecision", "AmpMetrics", "Trainer"]
@@ -196,11 +198,13 @@ class HalfPrecision(LevelPrecision, _LightningHalfPrecision):
 class AmpMetrics(Callback):
     """Logs the loss scaler's numbers through ``self.log``, so every logger shows them.
 
-    ``amp/loss_scale`` and ``amp/skipped_steps`` every ``every_n_steps`` optimizer steps
-    (default: the Trainer's ``log_every_n_steps``), and ``amp/overflow_params`` (how many
-    gradients held inf/nan) on a logged step that was skipped. One host sync per logged
-    step. Nothing is logged without a scaler (bf16). ``prog_bar=True`` also shows the scale
-    in the progress bar. Our :class:`Trainer` adds it by itself.
+    ``amp/loss_scale``, ``amp/skipped_steps`` and ``amp/overflow_params`` (how many
+    gradients held inf/nan on that step, 0 when it was not skipped) every
+    ``every_n_steps`` optimizer steps (default: the Trainer's ``log_every_n_steps``): the
+    same keys on every logged step, so Lightning, which keeps a step's value for the rest
+    of the epoch, never shows one step's count on another. One host sync per logged step.
+    Nothing is logged without a scaler (bf16). ``prog_bar=True`` also shows the scale in
+    the progress bar. Our :class:`Trainer` adds it by itself.
 
     Example::
 
@@ -227,51 +231,24 @@ class AmpMetrics(Callback):
 
 
 # -- Trainer(precision="16-mixed") ------------------------------------------------------------
-# Lightning's precision strings this Trainer runs with our plugin.
-_MIXED = {"16-mixed": "16-mixed", "16": "16-mixed", 16: "16-mixed", "bf16-mixed": "bf16-mixed", "bf16": "bf16-mixed"}
-
-
-def _autocast_device(accelerator) -> str:
-    """The autocast device type of a Trainer's ``accelerator`` argument."""
-    if accelerator in (None, "auto"):
-        if torch.cuda.is_available():
-            return "cuda"
-        mps = getattr(torch.backends, "mps", None)
-        return "mps" if mps is not None and mps.is_available() else "cpu"
-    if isinstance(accelerator, str):
-        name = {"gpu": "cuda", "cuda": "cuda", "cpu": "cpu", "mps": "mps", "xpu": "xpu"}.get(accelerator.lower())
-        if name is not None:
-            return name
-    raise ValueError(
-        f"dispatch_amp's Trainer cannot tell the autocast device of accelerator={accelerator!r}: "
-        f"pass plugins=[MixedPrecision(precision, device)] to lightning.pytorch.Trainer instead"
-    )
-
-
-def _check_strategy(strategy) -> None:
-    # Lightning's FSDP and DeepSpeed strategies take only their own precision plugins (the
-    # FSDP strategy raises TypeError for any other): say so before Lightning does, with
-    # the way out.
-    name = strategy if isinstance(strategy, str) else type(strategy).__name__
-    if name.lower().startswith(("fsdp", "deepspeed")):
-        raise ValueError(
-            f"strategy={strategy!r} runs only Lightning's own precision plugin for it, not "
-            f"dispatch_amp's; use lightning.pytorch.Trainer with that strategy (Lightning's "
-            f"AMP), or strategy='ddp' with this Trainer"
-        )
-
-
 class Trainer(_LightningTrainer):
     """``lightning.pytorch.Trainer`` whose 16-bit precisions run dispatch_amp.
 
     ``precision="16-mixed"`` / ``"bf16-mixed"`` (and ``16``, ``"16"``, ``"bf16"``) become
     ``plugins=[MixedPrecision(precision, device)]``, and ``"16-true"`` / ``"bf16-true"``
-    ``plugins=[HalfPrecision(precision, device)]``, the device taken from ``accelerator``;
-    every other precision is Lightning's own. :class:`AmpMetrics` is added to the callbacks
-    (``amp_metrics=False`` leaves it out). Extra keywords, all optional: ``amp_policy``,
-    ``amp_fp8`` (both plugins' ``policy``, ``fp8``), ``amp_scaler_options`` (mixed: the
-    scaler's), ``amp_opt_level`` and ``amp_opt_overrides`` (true: ``opt_level`` and a dict of
-    the level's overrides, e.g. ``{"master_weights": True}``).
+    ``plugins=[HalfPrecision(precision, device)]``, the device taken from ``accelerator``
+    (a name or an accelerator object such as ``CPUAccelerator()``); every other precision
+    is Lightning's own. :class:`AmpMetrics` is added to the callbacks (``amp_metrics=False``
+    leaves it out). Extra keywords, all optional: ``amp_policy``, ``amp_fp8`` (both plugins'
+    ``policy``, ``fp8``), ``amp_scaler_options`` (mixed: the scaler's), ``amp_opt_level``
+    and ``amp_opt_overrides`` (true: ``opt_level`` and a dict of the level's overrides,
+    e.g. ``{"master_weights": True}``).
+
+    Where it differs from Lightning's Trainer, it says so: ``"16-mixed"`` on CPU trains in
+    float16 with our GradScaler and warns that Lightning's would use bfloat16 there;
+    ``precision=`` beside a precision plugin is taken when both name the same precision
+    (else a ``ValueError`` says which to drop, where Lightning refuses both together). An
+    accelerator this machine lacks gets Lightning's own error, with no plugin built first.
 
     Example::
 
@@ -291,34 +268,14 @@ class Trainer(_LightningTrainer):
                  amp_policy: Any = None, amp_scaler_options: Any = None, amp_fp8: Any = None,
                  amp_opt_level: str | None = None, amp_opt_overrides: dict[str, Any] | None = None,
                  amp_metrics: bool = True, **kwargs: Any) -> None:
-        plugins = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
-        callbacks = [] if callbacks is None else list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
-        try:
-            mixed, true = _MIXED.get(precision), precision in TRUE_PRECISIONS
-        except TypeError:  # an unhashable precision: Lightning's to judge
-            mixed, true = None, False
-        if mixed is None and amp_scaler_options is not None:
-            raise ValueError(f"amp_scaler_options applies to precision='16-mixed' or 'bf16-mixed', got precision={precision!r}")
-        if not true and (amp_opt_level is not None or amp_opt_overrides is not None):
-            raise ValueError(
-                f"amp_opt_level/amp_opt_overrides apply to precision='16-true' or 'bf16-true' (weights "
-                f"in 16 bits), got precision={precision!r}"
-            )
-        if mixed is not None or true:
-            _check_strategy(kwargs.get("strategy", "auto"))
-            device = _autocast_device(kwargs.get("accelerator", "auto"))
-            if mixed is not None:
-                plugin = MixedPrecision(mixed, device, policy=amp_policy, scaler_options=amp_scaler_options, fp8=amp_fp8)
-            else:
-                plugin = HalfPrecision(precision, device, opt_level=amp_opt_level or "O3", policy=amp_policy,
-                                       fp8=amp_fp8, **dict(amp_opt_overrides or {}))
-            plugins.append(plugin)
-            precision = None
-        elif amp_policy is not None or amp_fp8 is not None:
-            raise ValueError(
-                f"amp_policy/amp_fp8 apply to precision='16-mixed', 'bf16-mixed', '16-true' or "
-                f"'bf16-true', got precision={precision!r}"
-            )
+        amp = {"amp_policy": amp_policy, "amp_fp8": amp_fp8, "amp_scaler_options": amp_scaler_options,
+               "amp_opt_level": amp_opt_level, "amp_opt_overrides": amp_opt_overrides}
+
+        precision, plugins, device_missing = route("Trainer", precision, plugins, kwargs, _LightningPrecision,
+                                                       (MixedPrecision, HalfPrecision), amp)
+        callbacks = as_list(callbacks)
         if amp_metrics and not any(isinstance(c, AmpMetrics) for c in callbacks):
             callbacks.append(AmpMetrics())
         super().__init__(*args, precision=precision, plugins=plugins or None, callbacks=callbacks or None, **kwargs)
+        if device_missing:
+            refuse_missing_device("Trainer", kwargs.get("accelerator"))

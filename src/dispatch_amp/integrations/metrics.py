@@ -12,23 +12,25 @@ __all__ = ["amp_metrics"]
 def amp_metrics(scaler) -> dict[str, float]:
     """The loss scaler's numbers under ``amp/`` names, for a logger (one host sync).
 
-    ``amp/loss_scale``, ``amp/skipped_steps`` and, when the last step was skipped,
-    ``amp/overflow_params`` (``GradScaler.metrics()``); for torch's GradScaler the scale
-    alone; ``{}`` without a scaler (bfloat16).
+    ``amp/loss_scale``, ``amp/skipped_steps`` and ``amp/overflow_params`` (how many
+    gradients held inf/nan on the last step: 0 when it was not skipped), from
+    ``GradScaler.metrics()``; for torch's GradScaler the scale alone; ``{}`` without a
+    scaler (bfloat16). The keys are the same on every call for one scaler, so loggers
+    with a fixed set of columns (CSV writers such as timm's ``summary.csv``) get whole
+    rows, and a logger that keeps a value until it is logged again (Lightning, within an
+    epoch) shows each step's own count.
 
     Example::
 
         >>> from dispatch_amp import GradScaler
         >>> amp_metrics(GradScaler("cpu", init_scale=256.0))
-        {'amp/loss_scale': 256.0, 'amp/skipped_steps': 0}
+        {'amp/loss_scale': 256.0, 'amp/skipped_steps': 0, 'amp/overflow_params': 0}
     """
     if scaler is None:
         return {}
     if not hasattr(scaler, "metrics"):
         return {"amp/loss_scale": float(scaler.get_scale())}
     m = scaler.metrics()
-    out = {"amp/loss_scale": m["loss_scale"], "amp/skipped_steps": m["skipped_steps"]}
-    if m["last_step_skipped"]:
-        out["amp/overflow_params"] = m["overflow_params"]
-    return out
+    return {"amp/loss_scale": m["loss_scale"], "amp/skipped_steps": m["skipped_steps"],
+            "amp/overflow_params": m["overflow_params"]}
 

@@ -17,8 +17,8 @@ The one-line change is the import::
     trainer = Trainer(model=model, args=TrainingArguments(..., bf16=True), train_dataset=ds)
 
 or, for a Trainer subclass of your own, ``class MyTrainer(AmpTrainerMixin, MyBaseTrainer)``.
-Unlike the stock Trainer, ``fp16=True`` on CPU then trains in float16 with a GradScaler
-(the stock one silently stays in float32 there).
+Unlike the stock Trainer, ``fp16=True`` on CPU then trains in float16 with a GradScaler,
+and warns that the stock one stays in float32 there (it ignores fp16 without a word).
 
 Checkpoints keep the scaler's state where the stock Trainer would keep its own: in
 ``scaler.pt`` whenever the stock Trainer would have a GradScaler too (float16 on a GPU), so
@@ -35,6 +35,7 @@ Importing this module imports ``transformers`` and ``accelerate``.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -87,7 +88,16 @@ class AmpTrainerMixin:
         self.amp_scaler = amp_scaler
         self.amp_scaler_options = amp_scaler_options
         self.amp_fp8 = amp_fp8
+        self._amp_float16_where_stock_is_float32 = False
         super().__init__(*args, **kwargs)
+        if self._amp_float16_where_stock_is_float32:
+            # Here, not where the Accelerator is made: this frame's caller is the user's line.
+            warnings.warn(
+                f"TrainingArguments(fp16=True) on {self.accelerator.device.type}: dispatch_amp's Trainer "
+                "trains in float16 with its GradScaler, where the stock transformers Trainer ignores fp16 "
+                "here and trains in float32. For float32 leave fp16 off; bf16=True trains in bfloat16.",
+                stacklevel=2,
+            )
 
     def create_accelerator_and_postprocess(self) -> None:
         """Create the Accelerator as Trainer does, then install dispatch_amp into it.
@@ -106,6 +116,10 @@ class AmpTrainerMixin:
         # here decides whether it can load a scaler.pt from our checkpoints.
         stock_has_scaler = getattr(self.accelerator, "scaler", None) is not None
         self._amp_scaler_file = SCALER_NAME if stock_has_scaler else AMP_SCALER_NAME
+        # Without native AMP the stock Trainer runs no autocast at all: float32.
+        self._amp_float16_where_stock_is_float32 = (
+            self.args.mixed_precision == "fp16" and not getattr(self.accelerator, "native_amp", False)
+        )
         if self.args.mixed_precision in ("fp16", "bf16"):
             install_amp(
                 self.accelerator,
