@@ -23,13 +23,26 @@ def dequantize(q, scale):
     return q.float() * scale.reciprocal()
 
 
+F32_MAX = torch.finfo(torch.float32).max
+
+
+def scale_of(a, fmt, margin=0, power_of_two=False):
+    """README: max / amax / 2**margin, clamped to float32's largest value, rounded down to
+    a power of two if asked; 1 where amax is 0."""
+    s = torch.tensor(MAX[fmt]) / a
+    if margin:
+        s = s / 2.0 ** margin
+    s = torch.where(s > F32_MAX, torch.tensor(F32_MAX), s)
+    if power_of_two:
+        mantissa, exponent = torch.frexp(s)  # s = mantissa * 2**exponent, mantissa in [0.5, 1)
+        s = torch.where((s > 0) & torch.isfinite(s), torch.ldexp(torch.ones_like(s), exponent - 1), s)
+    return torch.where(a == 0, torch.ones_like(s), s)
+
+
 def current_scale(t, fmt, rowwise=False, power_of_two=False):
     a = t.float().abs()
     a = a.amax(dim=-1, keepdim=True) if rowwise else a.amax()
-    s = torch.tensor(MAX[fmt]) / a
-    if power_of_two:
-        s = torch.exp2(torch.floor(torch.log2(s)))
-    return torch.where(a == 0, torch.ones_like(s), s)
+    return scale_of(a, fmt, power_of_two=power_of_two)
 
 
 def qdq(t, scale, fmt):
@@ -44,7 +57,8 @@ def linear_forward(x2, w, b, sx, sw, fmt, out_dtype):
 
 
 class DelayedSite:
-    """DelayedScaling's state for one site, per README: histories newest first, scales from 1."""
+    """DelayedScaling's state for one site, per README: histories newest first, scales from
+    1; until a role has recorded a positive finite amax, a call scales from its own amax."""
 
     def __init__(self, n=16, algo="max", margin=0):
         self.n, self.algo, self.margin = n, algo, margin
@@ -52,12 +66,11 @@ class DelayedSite:
         self.scale = {r: torch.tensor(1.0) for r in ("input", "weight", "grad_output")}
 
     def use(self, role, t, fmt):
-        s = self.scale[role].clone()
-        a = t.float().abs().amax().item()
-        h = self.history[role] = [a] + self.history[role][:-1]
+        a = t.float().abs().amax()
+        seen = any(0 < h < float("inf") for h in self.history[role])
+        s = self.scale[role].clone() if seen else scale_of(a, fmt, self.margin)
+        h = self.history[role] = [a.item()] + self.history[role][:-1]
         ref = max(h) if self.algo == "max" else h[0]
         if ref > 0 and ref != float("inf") and ref == ref:
-            self.scale[role] = torch.tensor(MAX[fmt], dtype=torch.float32) / torch.tensor(ref, dtype=torch.float32)
-            if self.margin:
-                self.scale[role] = self.scale[role] / 2.0 ** self.margin
+            self.scale[role] = scale_of(torch.tensor(ref, dtype=torch.float32), fmt, self.margin)
         return s

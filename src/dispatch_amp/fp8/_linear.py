@@ -136,12 +136,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     x2 = x.reshape(-1, weight.shape[1])
     record = phase != "recompute"
     fmt = recipe.forward_format
-    x_scale, w_scale = recipe._forward_scales(site, x2, weight, phase) if site is not None else (None, None)
+    (x_scale, w_scale), (x_amax, w_amax) = (
+        recipe._forward_scales(site, x2, weight, phase) if site is not None else ((None, None), (None, None)))
     # The transposed copies serve the backward's gemms (the weight's for grad_input, the
     # input's for grad_weight); made only when that gradient will be asked for.
     grad = torch.is_grad_enabled()
-    xq, x_inv, xq_t = recipe._quantize(x2, "input", fmt, site, record, x_scale, transpose=grad and weight.requires_grad)
-    wq, w_inv, wq_t = recipe._quantize(weight, "weight", fmt, site, record, w_scale, transpose=grad and x.requires_grad)
+    xq, x_inv, xq_t = recipe._quantize(x2, "input", fmt, site, record, x_scale,
+                                       transpose=grad and weight.requires_grad, known_amax=x_amax)
+    wq, w_inv, wq_t = recipe._quantize(weight, "weight", fmt, site, record, w_scale,
+                                       transpose=grad and x.requires_grad, known_amax=w_amax)
     return _Fp8Linear.apply(x, weight, bias, xq, x_inv, xq_t, wq, w_inv, wq_t, recipe, site, out_dtype)
 
 

@@ -14,7 +14,7 @@ from .. import _torch_compat
 from ..kernels import fp8_cast as _kernels
 
 __all__ = ["FORMATS", "fp8_max", "check_format", "amax", "scale_from_amax", "cast", "cast_with_amax",
-           "cast_transpose", "kernels_in_use"]
+           "cast_transpose", "kernels_in_use", "floor_power_of_two", "FLOAT32_MAX"]
 
 # The largest finite value of each format.
 FORMATS: dict[torch.dtype, float] = {dt: _kernels.fp8_max(dt) for dt in (torch.float8_e4m3fn, torch.float8_e5m2)}
@@ -25,6 +25,8 @@ ALL_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz,
 # midpoint between fp8_max and the format's next step (480 for e4m3fn, 65536 for e5m2).
 # A value just above fp8_max (the scale's own rounding, amax * (fp8_max / amax)) does not.
 SATURATES_ABOVE: dict[torch.dtype, float] = _kernels.SATURATES_ABOVE
+# Scales never exceed it: see scale_from_amax.
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 # Which implementation of the per-tensor casts runs: "auto" is the Triton kernels on CUDA
 # and torch elsewhere (kernels/fp8_cast.py, where both follow the same rule bit for bit).
@@ -56,9 +58,14 @@ def check_format(fp8_dtype, what: str) -> torch.dtype:
 
 def amax(t: torch.Tensor, rowwise: bool = False) -> torch.Tensor:
     """``max|t|`` in float32: a 0-d tensor, or one per row (shape ``(rows, 1)``) with
-    ``rowwise``. A nan anywhere gives nan (torch's amax propagates it)."""
-    a = t.detach().to(_float32).abs()
-    return a.amax(dim=-1, keepdim=True) if rowwise else a.amax()
+    ``rowwise``. A nan anywhere gives nan (torch's amax propagates it).
+
+    ``|t|`` is exact in ``t``'s own dtype, so the maximum is taken there and only the
+    result is widened: no float32 copy of ``t`` is made.
+    """
+    a = t.detach().abs()
+    a = a.amax(dim=-1, keepdim=True) if rowwise else a.amax()
+    return a.to(_float32)
 
 
 def scale_from_amax(
@@ -66,17 +73,36 @@ def scale_from_amax(
 ) -> torch.Tensor:
     """``scale = fp8_max / amax / 2**margin`` in float32, elementwise; an amax of 0 gives 1.
 
-    With ``power_of_two`` the scale is rounded down to a power of two
-    (``2**floor(log2(scale))``), so that multiplying by it is exact. An inf amax gives a
-    scale of 0 and a nan amax a nan scale: the cast then turns every value into 0 or nan
-    and the gemm's result is nan, so a non-finite input is never hidden.
+    The scale is clamped to float32's largest finite value (an amax below about
+    ``fp8_max / 3.4e38`` would make it inf, and ``0 * inf`` is nan). With
+    ``power_of_two`` it is then rounded down to a power of two by clearing its mantissa
+    bits (exact, unlike ``exp2(floor(log2(s)))``, which can round up just below a power
+    of two), so that multiplying by it is exact. An inf amax gives a scale of 0 and a nan
+    amax a nan scale: the cast then turns every value into 0 or nan and the gemm's result
+    is nan, so a non-finite input is never hidden.
     """
-    scale = torch.full_like(amax_, FORMATS[fp8_dtype], dtype=_float32) / amax_
+    a = amax_.to(_float32)
+    scale = torch.full_like(a, FORMATS[fp8_dtype]) / a
     if margin:
         scale = scale / (2.0 ** margin)
+    scale = torch.where(scale > FLOAT32_MAX, torch.full_like(scale, FLOAT32_MAX), scale)  # nan stays nan
     if power_of_two:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
-    return torch.where(amax_ == 0, torch.ones_like(scale), scale)
+        scale = floor_power_of_two(scale)
+    return torch.where(a == 0, torch.ones_like(scale), scale)
+
+
+def floor_power_of_two(s: torch.Tensor) -> torch.Tensor:
+    """The largest power of two ``<= s`` for non-negative float32 ``s``, from its bits: the
+    exponent of a normal number, the highest set bit of a subnormal one; 0 stays 0, inf
+    stays inf and nan stays nan."""
+    bits = s.view(torch.int32)
+    normal = bits & 0x7F800000
+    high = bits | (bits >> 1)
+    for shift in (2, 4, 8, 16):
+        high = high | (high >> shift)
+    subnormal = high - (high >> 1)
+    out = torch.where(bits >= 0x00800000, normal, subnormal).view(_float32)
+    return torch.where(torch.isnan(s), s, out)
 
 
 def cast(t: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

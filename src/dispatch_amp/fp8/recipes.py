@@ -85,6 +85,11 @@ class _Site:
         self.history: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         # DelayedScaling: the (input, weight) scales of checkpointed forwards, oldest first.
         self.replay = collections.deque(maxlen=_MAX_PENDING_REPLAYS)
+        # DelayedScaling's first calls: per role, a device flag (the history has recorded a
+        # positive finite amax) and what the host knows of it (see DelayedScaling).
+        self.initialized: dict[str, torch.Tensor] = {}
+        self.ready = dict.fromkeys(ROLES, False)
+        self.probes: dict[str, tuple[torch.Tensor, Any]] = {}
 
 
 # The attribute under which a weight carries its sites, one per recipe that saw it. It is
@@ -246,10 +251,11 @@ class Recipe:
 
     # -- quantizing (called by the fp8 gemm) ----------------------------------------------
     def _quantize(self, t2: torch.Tensor, role: str, fmt: torch.dtype, site: _Site | None, record: bool,
-                  scale: torch.Tensor | None = None, transpose: bool = False):
+                  scale: torch.Tensor | None = None, transpose: bool = False, known_amax: torch.Tensor | None = None):
         """``(q, 1/scale, q_t)`` of a 2-D operand, recording statistics when ``record``.
 
-        ``scale``: the one to use (a replayed forward), else the recipe's. ``q_t`` is
+        ``scale``: the one to use (a forward's, chosen by ``_forward_scales``), else the
+        recipe's; ``known_amax``: ``amax(t2)`` if it was computed already. ``q_t`` is
         ``q.t().contiguous()`` when ``transpose`` and the kernels make it in the same
         pass, else None (the backward transposes then).
         """
@@ -260,7 +266,7 @@ class Recipe:
             q, saturated = _cast(t2, scale, fmt)
             a, shown = a.max(), scale.min()
         else:
-            a = None
+            a = known_amax
             if scale is None:
                 scale, a = self._scale(t2, role, fmt, site)
             kernels = kernels_in_use(t2)
@@ -290,8 +296,9 @@ class Recipe:
         """What a recorded amax changes for later calls (nothing, without a history)."""
 
     def _forward_scales(self, site, x2, weight, phase):
-        """The (input, weight) scales a forward uses; None: from the tensors themselves."""
-        return None, None
+        """``((input scale, weight scale), (input amax, weight amax))`` of a forward; a
+        scale of None: from the tensor itself; an amax of None: not computed yet."""
+        return (None, None), (None, None)
 
     def _prepare(self, site: _Site, device: torch.device) -> None:
         """Makes the site's tensors on ``device`` before a call (never inside the autograd
@@ -375,6 +382,11 @@ class Recipe:
         return f"{type(self).__name__}({self._describe()})"
 
 
+def _seen_positive(history: torch.Tensor) -> torch.Tensor:
+    """Whether a history holds a positive finite amax: the site has a scale of its own."""
+    return ((history > 0) & torch.isfinite(history)).any()
+
+
 def _rebuild_recipe(cls, config: dict, state: dict) -> Recipe:
     recipe = cls(**config)
     if state:
@@ -437,7 +449,13 @@ class DelayedScaling(Recipe):
     own amax: the history shifts by one, the new amax goes in front, and the scale becomes
     ``fp8_max / ref / 2**margin`` where ``ref`` is the history's max
     (``amax_compute_algo="max"``) or its newest entry (``"most_recent"``); when ``ref`` is
-    0, inf or nan the scale stays as it was. Scales start at 1. With ``reduce_amax`` and
+    0, inf or nan the scale stays as it was.
+
+    First calls: until a site and role has recorded a positive finite amax, a call scales
+    from its own amax instead (the rule above with ``ref`` = that amax), so the first
+    calls are as accurate as current scaling; a site that has seen only zeros stays that
+    way. The device decides (no host read); the host learns it from a non-blocking copy
+    and then stops computing the extra amax. With ``reduce_amax`` and
     torch.distributed initialized, each new amax is first reduced (max) across the ranks of
     ``process_group``, so every rank uses the same scales.
 
@@ -478,7 +496,8 @@ class DelayedScaling(Recipe):
 
     def _prepared(self, site: _Site, device: torch.device) -> bool:
         return super()._prepared(site, device) and all(
-            role in site.history and site.history[role][0].device == device for role in ROLES)
+            role in site.history and site.history[role][0].device == device
+            and site.initialized[role].device == device for role in ROLES)
 
     def _allocate(self, site: _Site, device: torch.device) -> None:
         super()._allocate(site, device)
@@ -488,19 +507,69 @@ class DelayedScaling(Recipe):
                 site.history[role] = (torch.zeros(self.amax_history_len, device=device), torch.ones((), device=device))
             elif entry[0].device != device:  # loaded from a checkpoint on another device
                 site.history[role] = (entry[0].to(device), entry[1].to(device))
+            flag = site.initialized.get(role)
+            if flag is None or flag.device != device:
+                site.initialized[role] = _seen_positive(site.history[role][0])
+                site.probes.pop(role, None)
 
     def _forward_scales(self, site, x2, weight, phase):
+        """``((input scale, weight scale), (input amax, weight amax))``: the amaxes where
+        a first call computed them to choose its scale, else None."""
         if phase == "recompute" and site.replay:
-            return site.replay.popleft()
-        scales = (site.history["input"][1].clone(), site.history["weight"][1].clone())
+            return site.replay.popleft(), (None, None)
+        fmt = self.forward_format
+        (xs, xa), (ws, wa) = self._current(site, "input", x2, fmt), self._current(site, "weight", weight, fmt)
         if phase == "checkpointed":
-            site.replay.append(scales)
-        return scales
+            site.replay.append((xs, ws))
+        return (xs, ws), (xa, wa)
 
     def _scale(self, t2, role, fmt, site):
         # The backward's grad_output: the scale in force now (the forward's come from
         # _forward_scales).
-        return site.history[role][1].clone(), None
+        return self._current(site, role, t2, fmt)
+
+    def _current(self, site: _Site, role: str, t: torch.Tensor, fmt: torch.dtype):
+        """``(scale, amax or None)`` a call of ``role`` uses now.
+
+        Once the host knows the role has recorded a positive finite amax (``ready``), the
+        history's scale. Before, the device chooses between that and the scale from
+        ``t``'s own amax (which the call then records instead of computing it again).
+        While torch.compile traces, always the latter: a graph has no host flag to read.
+        """
+        scale = site.history[role][1]
+        compiling = torch.compiler.is_compiling()
+        if not compiling and not site.ready[role]:
+            site.ready[role] = self._probed(site, role)
+        if site.ready[role] and not compiling:
+            return scale.clone(), None
+        a = _amax(t)
+        own = scale_from_amax(a, fmt, margin=self.margin, power_of_two=self.power_of_two)
+        return torch.where(site.initialized[role], scale, own), a
+
+    @staticmethod
+    def _probed(site: _Site, role: str) -> bool:
+        """Whether the last copy of the role's device flag has arrived and says True."""
+        probe = site.probes.get(role)
+        if probe is None:
+            return False
+        host, event = probe
+        if event is not None and not event.query():
+            return False  # still on its way: ask again at the next call
+        site.probes.pop(role)
+        return bool(host.item())
+
+    @staticmethod
+    def _send_probe(site: _Site, role: str) -> None:
+        """Starts copying the role's device flag to the host, without waiting for it."""
+        flag = site.initialized[role]
+        if flag.device.type == "cpu":
+            site.probes[role] = (flag, None)
+        elif flag.device.type == "cuda":
+            host = torch.empty((), dtype=flag.dtype, pin_memory=True)
+            host.copy_(flag, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            site.probes[role] = (host, event)
 
     def _observed(self, a: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -520,6 +589,11 @@ class DelayedScaling(Recipe):
         new = scale_from_amax(ref, fmt, margin=self.margin, power_of_two=self.power_of_two)
         keep = (ref == 0) | ~torch.isfinite(ref)
         scale.copy_(torch.where(keep, scale, new))
+        if not site.ready[role]:
+            flag = site.initialized[role]
+            flag.copy_(flag | ((a > 0) & torch.isfinite(a)))
+            if not torch.compiler.is_compiling():
+                self._send_probe(site, role)
 
     # -- state ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -581,6 +655,10 @@ class DelayedScaling(Recipe):
                 site = self._named[name] = _Site(name)
             site.history.update(roles)
             site.replay.clear()
+            for role, (history, _) in roles.items():
+                flag = site.initialized[role] = _seen_positive(history)
+                site.ready[role] = bool(flag)  # a checkpoint is read on the host anyway
+                site.probes.pop(role, None)
 
     def __repr__(self) -> str:
         return f"DelayedScaling({self._describe()})"
