@@ -2,7 +2,8 @@
 
 Quantize: ``q = clamp(t.float() * scale, -max, max).to(fmt)``, inf/nan -> nan; dequantize:
 ``q.float() * (1 / scale)``; every gemm is a float32 matmul of dequantized operands, cast
-to the output dtype; the bias is added to the float32 result; bias grad is a float32 sum.
+to the output dtype; the bias, rounded to the output dtype, is added to the float32
+result; bias grad is a float32 sum.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def qdq(t, scale, fmt):
 def linear_forward(x2, w, b, sx, sw, fmt, out_dtype):
     y = qdq(x2, sx, fmt) @ qdq(w, sw, fmt).t()
     if b is not None:
-        y = y + b.float()
+        y = y + b.to(out_dtype).float()
     return y.to(out_dtype)
 
 

@@ -12,9 +12,11 @@ import torch
 
 from .. import _torch_compat
 from ..kernels import fp8_cast as _kernels
+from ..kernels import fp8_scale as _scale_kernels
+from ..kernels.fp8_scale import FLOAT32_MAX, floor_power_of_two
 
 __all__ = ["FORMATS", "fp8_max", "check_format", "amax", "scale_from_amax", "cast", "cast_with_amax",
-           "cast_transpose", "kernels_in_use", "floor_power_of_two", "FLOAT32_MAX"]
+           "cast_transpose", "kernels_in_use", "floor_power_of_two", "FLOAT32_MAX", "bias_grad"]
 
 # The largest finite value of each format.
 FORMATS: dict[torch.dtype, float] = {dt: _kernels.fp8_max(dt) for dt in (torch.float8_e4m3fn, torch.float8_e5m2)}
@@ -25,8 +27,6 @@ ALL_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz,
 # midpoint between fp8_max and the format's next step (480 for e4m3fn, 65536 for e5m2).
 # A value just above fp8_max (the scale's own rounding, amax * (fp8_max / amax)) does not.
 SATURATES_ABOVE: dict[torch.dtype, float] = _kernels.SATURATES_ABOVE
-# Scales never exceed it: see scale_from_amax.
-FLOAT32_MAX = torch.finfo(torch.float32).max
 
 # Which implementation of the per-tensor casts runs: "auto" is the Triton kernels on CUDA
 # and torch elsewhere (kernels/fp8_cast.py, where both follow the same rule bit for bit).
@@ -79,30 +79,15 @@ def scale_from_amax(
     bits (exact, unlike ``exp2(floor(log2(s)))``, which can round up just below a power
     of two), so that multiplying by it is exact. An inf amax gives a scale of 0 and a nan
     amax a nan scale: the cast then turns every value into 0 or nan and the gemm's result
-    is nan, so a non-finite input is never hidden.
+    is nan, so a non-finite input is never hidden. (``kernels/fp8_scale.py`` states the
+    rule; this is it for an fp8 format.)
+
+    Example::
+
+        >>> scale_from_amax(torch.tensor(2.0), torch.float8_e4m3fn)
+        tensor(224.)
     """
-    a = amax_.to(_float32)
-    scale = torch.full_like(a, FORMATS[fp8_dtype]) / a
-    if margin:
-        scale = scale / (2.0 ** margin)
-    scale = torch.where(scale > FLOAT32_MAX, torch.full_like(scale, FLOAT32_MAX), scale)  # nan stays nan
-    if power_of_two:
-        scale = floor_power_of_two(scale)
-    return torch.where(a == 0, torch.ones_like(scale), scale)
-
-
-def floor_power_of_two(s: torch.Tensor) -> torch.Tensor:
-    """The largest power of two ``<= s`` for non-negative float32 ``s``, from its bits: the
-    exponent of a normal number, the highest set bit of a subnormal one; 0 stays 0, inf
-    stays inf and nan stays nan."""
-    bits = s.view(torch.int32)
-    normal = bits & 0x7F800000
-    high = bits | (bits >> 1)
-    for shift in (2, 4, 8, 16):
-        high = high | (high >> shift)
-    subnormal = high - (high >> 1)
-    out = torch.where(bits >= 0x00800000, normal, subnormal).view(_float32)
-    return torch.where(torch.isnan(s), s, out)
+    return _scale_kernels.scale_from_amax_reference(amax_, FORMATS[fp8_dtype], margin, power_of_two)
 
 
 def cast(t: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,6 +105,11 @@ def cast(t: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[
     saturated = (finite & (y.abs() > SATURATES_ABOVE[fp8_dtype])).sum()
     q = torch.where(finite, y.clamp(-limit, limit), torch.full_like(y, float("nan"))).to(fp8_dtype)
     return q, saturated
+
+
+def bias_grad(dy2: torch.Tensor) -> torch.Tensor:
+    """The bias gradient of a linear from its 2-D ``grad_output``: column sums in float32."""
+    return dy2.to(_float32).sum(0)
 
 
 def _backend() -> str:
