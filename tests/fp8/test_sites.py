@@ -186,3 +186,34 @@ def test_a_pickled_recipe_names_a_fresh_model_for_filter_fn():
     with _region(recipe):
         _model()(X)
     assert [r.name for r in recipe.report()] == ["0"]
+
+
+def test_bind_names_multihead_attentions_projections():
+    model = Attention()
+    recipe = fp8.DelayedScaling().bind(model)
+    assert sorted(recipe.state_dict()["sites"]) == ["attn.in_proj_weight", "attn.out_proj", "inp"]
+
+
+def _patched_steps(recipe, model, steps):
+    # Code that knows nothing of dispatch_amp: torch.autocast, patched.
+    losses = []
+    with amp.patch_torch(fp8=recipe):
+        for step in range(steps):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(X.view(2, 8, 32) * (step + 1)).float().pow(2).mean()
+            loss.backward()
+            losses.append(loss.detach())
+    return losses
+
+
+def test_under_patch_torch_a_recipe_without_bind_saves_and_resumes():
+    model = Attention()
+    recipe = fp8.DelayedScaling(amax_history_len=4)
+    _patched_steps(recipe, model, 2)
+    saved = copy.deepcopy(recipe.state_dict())
+    assert sorted(saved["sites"]) == ["attn.in_proj_weight", "attn.out_proj", "inp"]
+    straight = _patched_steps(recipe, model, 2)
+    resumed = fp8.DelayedScaling(amax_history_len=4)
+    resumed.load_state_dict(saved)
+    again = _patched_steps(resumed, model, 2)
+    assert all(torch.equal(a, b) for a, b in zip(straight, again))
