@@ -3,7 +3,7 @@
 Quantize: ``q = clamp(t.float() * scale, -max, max).to(fmt)``, inf/nan -> nan; dequantize:
 ``q.float() * (1 / scale)``; every gemm is a float32 matmul of dequantized operands, cast
 to the output dtype; the bias, rounded to the output dtype, is added to the float32
-result; bias grad is a float32 sum.
+result; bias grad is a float32 sum in a fixed order (``bias_grad``).
 """
 
 from __future__ import annotations
@@ -44,6 +44,23 @@ def current_scale(t, fmt, rowwise=False, power_of_two=False):
     a = t.float().abs()
     a = a.amax(dim=-1, keepdim=True) if rowwise else a.amax()
     return scale_of(a, fmt, power_of_two=power_of_two)
+
+
+def bias_grad(dy2):
+    """README: dy's column sums in float32, rows in blocks of 64 (the last padded with
+    zeros), each block a pairwise tree (row r with row r + 32, then r + 16, ...), the
+    blocks' sums added in order from zero."""
+    x = dy2.float()
+    rows = x.shape[0]
+    x = torch.cat([x, torch.zeros(-rows % 64, x.shape[1])])
+    total = torch.zeros(x.shape[1])
+    for start in range(0, x.shape[0], 64):
+        block = x[start:start + 64]
+        while block.shape[0] > 1:
+            half = block.shape[0] // 2
+            block = block[:half] + block[half:]
+        total = total + block[0]
+    return total
 
 
 def qdq(t, scale, fmt):

@@ -9,6 +9,7 @@ import torch
 
 from .. import _torch_compat
 
+from ._quantize import quantize
 from ._rules import bias_grad
 
 __all__ = ["Meta", "mm", "first_order_grads"]
@@ -73,15 +74,16 @@ def first_order_grads(meta, dy: torch.Tensor, saved, needs):
     elif need_x or need_w:
         xq_t, x_sc, wq_t, w_sc = saved[:4]
         # dx = dy @ w contracts along N: w.T's rows (wq_t); dw = dy.T @ x along M: the rows
-        # of dy.T and x.T (dyq_t, xq_t).
-        dyq, dyq_t, dy_sc = recipe._quantize(dy2, "grad_output", fmt, site, True, need_q=need_x, need_qt=need_w)
+        # of dy.T and x.T (dyq_t, xq_t). The bias gradient comes from the same read of dy.
+        dyq, dyq_t, dy_sc, db = quantize(recipe, dy2, "grad_output", fmt, site, True, need_q=need_x,
+                                         need_qt=need_w, dbias=need_b)
         if need_x:
             dx = mm(dyq, wq_t, dy_sc[1], w_sc[1], meta.x_dtype)
         if need_w:
             # grad_weight keeps the weight parameter's dtype (its .grad)
             dw = mm(dyq_t, xq_t, dy_sc[1], x_sc[1], meta.weight_dtype)
     if need_b:
-        db = bias_grad(dy2).to(meta.bias_dtype)
+        db = (bias_grad(dy2) if db is None else db).to(meta.bias_dtype)
     if dx is not None:
         dx = dx.reshape(meta.x_shape)
     return dx, dw, db

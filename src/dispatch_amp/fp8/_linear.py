@@ -22,15 +22,26 @@ float32.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .. import _torch_compat
 
-from . import _double_backward
+from . import _double_backward, _replay
 from ._gemms import Meta, first_order_grads, mm
+from ._quantize import quantize, quantize_bias, quantize_weight
 from .recipes import Recipe
 
 __all__ = ["fp8_linear"]
+
+
+def _native_off(device_type: str):
+    # Device types without autocast (meta tensors: benchmarks/fp8_kernel_count.py) have
+    # nothing to switch off.
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -43,7 +54,7 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, xq, xq_t, x_sc, wq, wq_t, w_sc, bias_lo, recipe: Recipe, site,
                 out_dtype: torch.dtype):
-        with torch.autocast(x.device.type, enabled=False):
+        with _native_off(x.device.type):
             if recipe.rowwise:
                 y = mm(xq, wq, x_sc, w_sc.t(), out_dtype, bias_lo)
             else:
@@ -62,7 +73,7 @@ class _Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        with torch.autocast(dy.device.type, enabled=False):
+        with _native_off(dy.device.type):
             needs = ctx.needs_input_grad[:3]
             if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable
                 dx, dw, db = _double_backward.differentiable_grads(ctx.meta, dy, ctx.saved_tensors, needs)
@@ -102,12 +113,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         wq, w_sc = recipe._quantize_rows(weight, "weight", fmt, site, record)
         xq_t = wq_t = None
     else:
-        (x_scale, w_scale), (x_amax, w_amax), record = (
-            recipe._forward_scales(site, x2, weight, phase) if site is not None
-            else ((None, None), (None, None), phase != "recompute"))
-        xq, xq_t, x_sc = recipe._quantize(x2, "input", fmt, site, record, x_scale, x_amax, need_qt=need_dw)
-        wq, wq_t, w_sc = recipe._quantize(weight, "weight", fmt, site, record, w_scale, w_amax, need_qt=need_dx)
-    bias_lo = None if bias is None else bias.to(out_dtype)
+        (x_scale, w_scale), record, key = (recipe._forward_scales(site, phase) if site is not None
+                                           else ((None, None), phase != "recompute", None))
+        xq, xq_t, x_sc, _ = quantize(recipe, x2, "input", fmt, site, record, x_scale, need_qt=need_dw)
+        wq, wq_t, w_sc = quantize_weight(recipe, weight, fmt, site, record, w_scale, need_qt=need_dx)
+        if key is not None:  # checkpointed: its recomputation replays these
+            _replay.remember(key, site, (x_sc[0], w_sc[0]))
+    bias_lo = quantize_bias(site, bias, out_dtype)
     return _Fp8Linear.apply(x, weight, bias, xq, xq_t, x_sc, wq, wq_t, w_sc, bias_lo, recipe, site, out_dtype)
 
 

@@ -108,8 +108,12 @@ def cast(t: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[
 
 
 def bias_grad(dy2: torch.Tensor) -> torch.Tensor:
-    """The bias gradient of a linear from its 2-D ``grad_output``: column sums in float32."""
-    return dy2.to(_float32).sum(0)
+    """The bias gradient of a linear from its 2-D ``grad_output``: column sums in float32,
+    in the fixed order of ``kernels/fp8_cast.py`` (blocks of 64 rows, each a pairwise tree,
+    added in order), so that the kernel and the torch rule agree bit for bit."""
+    if kernels_in_use(dy2):
+        return _kernels.bias_grad(dy2.contiguous(), backend="triton")
+    return _kernels.bias_grad_reference(dy2)
 
 
 def _backend() -> str:

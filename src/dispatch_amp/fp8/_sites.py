@@ -99,8 +99,9 @@ class Site:
         self.origins: list[Origin] = origins
         self.names: list[str] = _unique(name for _, _, name in origins)
         self.roles: dict[str, RoleState] = {}
-        # Filled by the weight cache (fp8/_weight_cache.py).
+        # The weight's and the bias's low-precision copies (fp8/_quantize.py).
         self.cached = None
+        self.cached_bias = None
 
     @property
     def name(self) -> str | None:

@@ -27,7 +27,7 @@ import torch
 
 from .. import _torch_compat
 from ..kernels.fp8_scale import F_AMAX, F_INIT, F_PENDING, F_SCALE, F_SHOWN, I_CALLS, I_SATURATED, NO_PENDING
-from ..kernels.fp8_scale import advance_reference, record_reference
+from ..kernels.fp8_scale import advance_reference, record_, record_reference
 from . import _replay, _state_dict, _step_hooks
 from ._rules import FORMATS, check_format, scale_from_amax
 from ._rules import amax as _amax
@@ -213,31 +213,12 @@ class Recipe:
         site.roles = {role: site.roles[role].moved(device) if role in site.roles else fresh[role] for role in ROLES}
 
     # -- quantizing (called by the fp8 gemm) ----------------------------------------------
-    def _forward_scales(self, site: Site | None, x2: torch.Tensor, weight: torch.Tensor, phase: str):
-        """``((input scale, weight scale), (input amax, weight amax), record)`` of a
-        forward: a scale of None is taken from the tensor itself, an amax of None is not
-        computed yet; ``record``: whether the call records statistics (a recomputation
-        does not)."""
-        return (None, None), (None, None), phase != "recompute"
-
-    def _quantize(self, t2: torch.Tensor, role: str, fmt: torch.dtype, site: Site | None, record: bool,
-                  scale: torch.Tensor | None = None, known_amax: torch.Tensor | None = None,
-                  need_q: bool = True, need_qt: bool = False):
-        """``(q, q_t, sc)`` of a 2-D operand with one scale: ``q`` (if ``need_q``),
-        ``q.t().contiguous()`` (if ``need_qt``) and ``sc = [scale, 1 / scale]``, recording
-        statistics when ``record``. ``scale``: the one to use, else the recipe's;
-        ``known_amax``: ``amax(t2)`` if it was computed already."""
-        a = known_amax
-        if scale is None:
-            scale, a = self._scale(t2, role, fmt, site)
-        q, saturated = _cast(t2, scale, fmt)
-        if a is None:
-            a = _amax(t2)
-        q_t = q.t().contiguous() if need_qt else None
-        sc = torch.stack([scale, scale.reciprocal()])
-        if record and site is not None:
-            self._record(site, role, a, scale, saturated, fmt)
-        return (q if need_q else None), q_t, sc
+    def _forward_scales(self, site: Site | None, phase: str):
+        """``((input scale, weight scale), record, key)`` of a forward: scales of None are
+        the recipe's own (a recomputation's are the forward's it replays); ``record``:
+        whether the call records statistics (a recomputation does not); ``key``: where to
+        keep the scales the forward uses, for its recomputation (``_replay.py``)."""
+        return (None, None), phase != "recompute", None
 
     def _scale(self, t2: torch.Tensor, role: str, fmt: torch.dtype, site: Site | None):
         """``(scale, amax or None)`` of an operand: here, from its own amax (current scaling)."""
@@ -248,12 +229,39 @@ class Recipe:
                 fmt: torch.dtype) -> None:
         """A call's statistics (and what it changes for later calls, in subclasses)."""
         state = site.roles[role]
-        f, i = record_reference(state.f, state.i, a, shown, saturated, history=False)
+        f, i = record_reference(state.f, state.i, a, shown, saturated, **self._record_rule(fmt))
         state.f.copy_(f)
         state.i.copy_(i)
 
+    def _record_rule(self, fmt: torch.dtype) -> dict:
+        """What ``record_reference`` / ``record_`` do for this recipe."""
+        return {"history": False}
+
+    def _record_accumulated(self, state: RoleState, acc: torch.Tensor, saturated: torch.Tensor, sc: torch.Tensor,
+                            fmt: torch.dtype, snapshot: torch.Tensor | None) -> None:
+        """``_record`` on the kernel path: the call's amax and count are in the accumulators."""
+        record_(state.f, state.i, acc, saturated, sc, snapshot=snapshot, backend="triton", **self._record_rule(fmt))
+
+    def _record_cached(self, site: Site, cached, fmt: torch.dtype) -> None:
+        """Records a call that reused the weight cache: the statistics of its quantization."""
+        state = site.roles["weight"]
+        if len(cached.stats) == 2:
+            self._record(site, "weight", cached.stats[0], cached.sc[0], cached.stats[1], fmt)
+        else:
+            snap = cached.stats[0]
+            record_(state.f, state.i, snap.view(torch.int32)[:1], snap[1:], cached.sc, reset=False,
+                    backend="triton", **self._record_rule(fmt))
+
+    def _scale_known(self, state: RoleState) -> bool:
+        """Whether the kernels can take the recipe's scale as it is (delayed scaling, once
+        the host knows the site has one)."""
+        return False
+
     def _before_optimizer_step(self, optimizer) -> None:
-        """Called before an optimizer steps while the recipe is watched (``_step_hooks``)."""
+        """Called before an optimizer steps while the recipe is watched (``_step_hooks``):
+        the weights are about to change, and their fp8 copies are freed."""
+        for site in self._registry.sites:
+            site.cached = site.cached_bias = None
 
     # -- state dict -----------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -466,22 +474,21 @@ class DelayedScaling(Recipe):
                 "most_recent": self.amax_compute_algo == "most_recent"}
 
     # -- scales ---------------------------------------------------------------------------
-    def _forward_scales(self, site, x2, weight, phase):
+    def _forward_scales(self, site, phase):
         key = _replay.checkpoint_key() if phase != "forward" and site is not None else None
-        if phase == "recompute":
-            scales = None if key is None else _replay.replayed(key, site)
+        if phase == "recompute" and key is not None:
+            scales = _replay.replayed(key, site)
             if scales is not None:
-                return scales, (None, None), False
-        fmt = self.forward_format
-        (xs, xa), (ws, wa) = self._current(site, "input", x2, fmt), self._current(site, "weight", weight, fmt)
-        if phase == "checkpointed" and key is not None:
-            _replay.remember(key, site, (xs, ws))
-        return (xs, ws), (xa, wa), True
+                return scales, False, None
+        return (None, None), True, (key if phase == "checkpointed" else None)
 
     def _scale(self, t2, role, fmt, site):
-        # The backward's grad_output: the scale in force now (the forward's come from
-        # _forward_scales).
         return self._current(site, role, t2, fmt)
+
+    def _scale_known(self, state: RoleState) -> bool:
+        if not state.ready:
+            state.ready = _probed(state)
+        return state.ready
 
     def _current(self, site: Site, role: str, t: torch.Tensor, fmt: torch.dtype):
         """``(scale, amax or None)`` a call of ``role`` uses now.
@@ -502,16 +509,29 @@ class DelayedScaling(Recipe):
         own = scale_from_amax(a, fmt, margin=self.margin, power_of_two=self.power_of_two)
         return torch.where(state.f[F_INIT] > 0, scale, own), a
 
-    def _record(self, site, role, a, shown, saturated, fmt):
-        state = site.roles[role]
+    def _record_rule(self, fmt):
         defer = self._deferring() is not None
         if defer and not _step_hooks.watching(self):
             _step_hooks.watch(self)
-        f, i = record_reference(state.f, state.i, a, shown, saturated, history=True, defer=defer, **self._rule(fmt))
-        state.f.copy_(f)
-        state.i.copy_(i)
-        if not state.ready and not defer and not torch.compiler.is_compiling():
+        return {"history": True, "defer": defer, **self._rule(fmt)}
+
+    def _record(self, site, role, a, shown, saturated, fmt):
+        super()._record(site, role, a, shown, saturated, fmt)
+        self._after_record(site.roles[role])
+
+    def _record_accumulated(self, state, acc, saturated, sc, fmt, snapshot):
+        super()._record_accumulated(state, acc, saturated, sc, fmt, snapshot)
+        self._after_record(state)
+
+    def _after_record(self, state: RoleState) -> None:
+        if not state.ready and not torch.compiler.is_compiling() and self._deferring() is None:
             _send_probe(state)
+
+    def _before_optimizer_step(self, optimizer) -> None:
+        super()._before_optimizer_step(optimizer)
+        group = self._deferring()
+        if group is not None:
+            self._reduce_amaxes(group)
 
     # -- across ranks ---------------------------------------------------------------------
     def _deferring(self):
@@ -524,11 +544,6 @@ class DelayedScaling(Recipe):
             return None
         group = self.process_group or dist.group.WORLD
         return group if dist.get_world_size(group) > 1 else None
-
-    def _before_optimizer_step(self, optimizer) -> None:
-        group = self._deferring()
-        if group is not None:
-            self._reduce_amaxes(group)
 
     def _reduce_amaxes(self, group) -> None:
         """One all_reduce(max) of every named site's pending amaxes, then each history
