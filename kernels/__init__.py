@@ -16,6 +16,13 @@ Public:
   scale, returning ``(q, amax, saturated)`` from one pass over ``t``.
 * :func:`cast_transpose` ``(t, scale, fp8_dtype, *, backend="auto")``: the same for a 2-D
   ``t``, also writing the transposed fp8 copy: ``(q, q_t, amax, saturated)``.
+* :func:`quantize_` ``(t, fp8_dtype, *, mode, scale, initialized, amax_acc, saturated_acc,
+  sc_out, ...)``: the fp8 linear's cast: one read, the scale taken from where the recipe
+  keeps it, the layouts asked for, the bias gradient for ``grad_output``.
+* :func:`bias_grad` ``(t)``: a bias gradient in the fixed order :func:`quantize_` uses.
+* :func:`amax_into_` ``(t, acc)`` / :func:`amax` ``(t)``: ``max|t|`` in one read.
+* :func:`record_` ``(f, i, amax_acc, saturated_acc, scale_used, *, history, ...)``: a call's
+  statistics and delayed scaling's history update, one launch.
 * :func:`fp8_max` ``(fp8_dtype)``: the largest finite value of an fp8 format.
 
 Example::
@@ -26,19 +33,33 @@ Example::
     >>> unscale_check_([torch.ones(4)], torch.tensor(0.5), found_inf)
 """
 
-from .fp8_cast import amax_and_cast, amax_and_cast_reference, cast_transpose, cast_transpose_reference, fp8_max
+from .fp8_amax import amax, amax_into_, amax_reference
+from .fp8_cast import (amax_and_cast, amax_and_cast_reference, bias_grad, bias_grad_reference, cast_transpose,
+                       cast_transpose_reference, fp8_max, quantize_, quantize_reference, resolve_scale_reference)
+from .fp8_scale import record_, record_reference, scale_from_amax_reference
 from .scale_update import ScaleState, update_scale_, update_scale_reference
 from .unscale import check_finite_, clear_table_cache, unscale_check_, unscale_check_reference, uses_triton
 
 __all__ = [
     "ScaleState",
+    "amax",
+    "amax_into_",
+    "amax_reference",
     "amax_and_cast",
     "amax_and_cast_reference",
+    "bias_grad",
+    "bias_grad_reference",
     "cast_transpose",
     "cast_transpose_reference",
     "check_finite_",
     "clear_table_cache",
     "fp8_max",
+    "quantize_",
+    "quantize_reference",
+    "record_",
+    "record_reference",
+    "resolve_scale_reference",
+    "scale_from_amax_reference",
     "unscale_check_",
     "unscale_check_reference",
     "update_scale_",

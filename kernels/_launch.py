@@ -1,8 +1,9 @@
-"""What the kernel families share: which backend runs, and how many programs a
-persistent grid launches."""
+"""What the kernel families share: which backend runs, how many programs a persistent
+grid launches, and the launch itself (which a counter can watch: ``counting_launches``)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -30,6 +31,8 @@ def use_triton(backend: str, device: torch.device, name: str) -> bool:
         return triton is not None and device.type == "cuda"
     if triton is None:
         raise RuntimeError(f"{name}: backend='triton' needs the triton package; install it or use backend='torch'.")
+    if device.type == "meta" and _COUNTERS and _COUNTERS[-1].dry:
+        return True  # counted, not run: see counting_launches
     if device.type == "cpu" and not interpreting():
         raise RuntimeError(
             f"{name}: backend='triton' on CPU tensors runs only under Triton's interpreter; set "
@@ -47,3 +50,50 @@ def persistent_programs(tiles: int, device: torch.device, per_sm: int) -> int:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         return max(1, min(tiles, sms * per_sm))
     return max(1, min(tiles, INTERPRETED_PROGRAMS))
+
+
+class _Counter:
+    def __init__(self, dry: bool) -> None:
+        self.dry = dry
+        self.launches: list[str] = []
+
+
+_COUNTERS: list[_Counter] = []
+
+
+def launch(kernel, grid, *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)``, counted by every active ``counting_launches``;
+    not run inside a dry one."""
+    if not _COUNTERS:
+        kernel[grid](*args, **kwargs)
+        return
+    for counter in _COUNTERS:
+        counter.launches.append(getattr(getattr(kernel, "fn", kernel), "__name__", repr(kernel)))
+    if _COUNTERS[-1].dry:
+        return
+    # The interpreter runs torch operators of its own: none of them is the caller's.
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        kernel[grid](*args, **kwargs)
+
+
+@contextlib.contextmanager
+def counting_launches(dry: bool = False):
+    """Lists the kernels launched inside (their names, in order). ``dry``: count without
+    running them, and let ``backend="triton"`` take meta tensors (so that a launch
+    sequence can be recorded at any size; the outputs stay unwritten).
+
+    Example::
+
+        >>> with counting_launches(dry=True) as names:
+        ...     pass
+        >>> names
+        []
+    """
+    counter = _Counter(dry)
+    _COUNTERS.append(counter)
+    try:
+        yield counter.launches
+    finally:
+        _COUNTERS.remove(counter)

@@ -1,4 +1,5 @@
-"""fp8 quantization with amax: a fused cast kernel, a cast + transpose kernel, and torch references.
+"""fp8 quantization: fused cast kernels (flat, with a transpose, with a transpose and the bias
+gradient) and their torch references.
 
 Public entry points (re-exported by ``dispatch_amp.kernels``):
 
@@ -8,9 +9,27 @@ Public entry points (re-exported by ``dispatch_amp.kernels``):
   into the history for the next ones.
 * :func:`cast_transpose` does the same for a 2-D tensor and also writes the transposed fp8
   copy, for the backward gemms that need the operand in both layouts.
-* :func:`amax_and_cast_reference` and :func:`cast_transpose_reference`: the rule below in
-  plain torch, the oracle the kernels are tested against bit for bit.
+* :func:`quantize_`: what the fp8 linear launches: one read of ``t`` that takes its scale
+  from where the recipe keeps it (below), writes the layouts asked for, accumulates amax
+  and saturation into the recipe's accumulators, writes ``[scale, 1 / scale]`` for the
+  gemm, and for ``grad_output`` also the bias gradient.
+* :func:`amax_and_cast_reference`, :func:`cast_transpose_reference`,
+  :func:`quantize_reference`, :func:`resolve_scale_reference` and
+  :func:`bias_grad_reference`: the rules below in plain torch, the oracles the kernels are
+  tested against bit for bit.
 * :func:`fp8_max`: the largest finite value of an fp8 format.
+
+Scale sources of :func:`quantize_` (``mode``): ``"given"``, a float32 value the caller
+holds (delayed scaling's scale in force, or a replayed one); ``"amax"``, the scale of the
+amax already accumulated (``fp8_scale.scale_from_amax_reference``: current scaling, after
+``fp8_amax.amax_into_``); ``"first"``, the given scale where an initialized flag is set,
+else the one of the accumulated amax (delayed scaling's first calls). Each program derives
+the scale itself: no kernel of its own.
+
+Bias gradient (``db`` of ``dy`` (M, N), float32): rows in blocks of 64 (the last padded
+with zeros), each block summed as a pairwise tree (row r with row r + 32, then r + 16, ...,
+then 1), the blocks' sums added in order from a zero start. A fixed order, so the kernel
+and the torch rule agree bit for bit whatever the grid.
 
 Rule (``t`` float32, bfloat16 or float16; ``scale`` a 0-d float32 tensor)::
 
@@ -81,7 +100,6 @@ of an fp32), the same as in the unscale kernel.
 
 from __future__ import annotations
 
-
 import torch
 
 try:  # Triton is optional: the torch paths below work without it.
@@ -91,10 +109,12 @@ except ImportError:  # pragma: no cover - exercised only on machines without tri
     triton = None
     tl = None
 
-from ._launch import interpreting, persistent_programs, use_triton
+from ._launch import launch, persistent_programs, use_triton
+from .fp8_scale import scale_from_amax_reference
 from .unscale import BACKENDS
 
-__all__ = ["amax_and_cast", "cast_transpose", "amax_and_cast_reference", "cast_transpose_reference", "fp8_max"]
+__all__ = ["amax_and_cast", "cast_transpose", "quantize_", "bias_grad", "new_accumulators", "amax_and_cast_reference", "cast_transpose_reference",
+           "quantize_reference", "resolve_scale_reference", "bias_grad_reference", "fp8_max", "MODES"]
 
 # fp8 dtype -> (largest finite value, mantissa bits, exponent bias)
 _FORMATS = {
@@ -104,6 +124,10 @@ _FORMATS = {
 # fp8 dtype -> the |scaled value| beyond which it counts as saturated (see the rule above).
 SATURATES_ABOVE = {torch.float8_e4m3fn: 464.0, torch.float8_e5m2: 61440.0}
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Where quantize_ takes its scale from (see the module docstring).
+MODES = {"given": 0, "amax": 1, "first": 2}
+# The bias gradient's block of rows: part of its rule, whatever the tiles.
+DB_ROWS = 64
 
 _BLOCK = 4096
 _NUM_WARPS = 8
@@ -123,10 +147,11 @@ _TRANSPOSE_PROGRAMS_PER_SM = 2
 # --------------------------------------------------------------------------------------
 
 if triton is not None:
+    from .fp8_scale import scale_of
 
     @triton.jit
     def _load_f32(ptrs, mask, IS_BF16: tl.constexpr, MASKED: tl.constexpr):
-        # Masked-off lanes read 0: no amax, no saturation, and they are never stored.
+        # Masked-off lanes read 0: no amax, no saturation, no bias gradient, never stored.
         if MASKED:
             raw = tl.load(ptrs, mask=mask, other=0)
         else:
@@ -172,23 +197,52 @@ if triton is not None:
         return bits, x_abs_bits, saturated
 
     @triton.jit
-    def _amax_and_cast_kernel(
+    def _scale_of_amax(amax_ptr, FP8_MAX: tl.constexpr, MARGIN_MUL: tl.constexpr, POW2: tl.constexpr):
+        return scale_of(tl.load(amax_ptr).to(tl.float32, bitcast=True), FP8_MAX, MARGIN_MUL, POW2)
+
+    @triton.jit
+    def _resolve_scale(scale_ptr, init_ptr, amax_ptr, MODE: tl.constexpr, FP8_MAX: tl.constexpr,
+                       MARGIN_MUL: tl.constexpr, POW2: tl.constexpr):
+        """The scale (a scalar): given, of the accumulated amax, or the given one where the
+        initialized flag is set and else of the amax (MODES)."""
+        if MODE == 0:
+            s = tl.load(scale_ptr)
+        elif MODE == 1:
+            s = _scale_of_amax(amax_ptr, FP8_MAX, MARGIN_MUL, POW2)
+        else:
+            s = tl.where(tl.load(init_ptr) > 0, tl.load(scale_ptr), _scale_of_amax(amax_ptr, FP8_MAX, MARGIN_MUL, POW2))
+        return s
+
+    @triton.jit
+    def _store_scales(sc_ptr, s, pid):
+        # [scale, 1 / scale] for the gemm and the backward, once.
+        if pid == 0:
+            tl.store(sc_ptr, s)
+            tl.store(sc_ptr + 1, tl.math.div_rn(tl.zeros_like(s) + 1.0, s))
+
+    @triton.jit
+    def _finish(amax_ptr, sat_ptr, amax, count, ACC_AMAX: tl.constexpr):
+        if ACC_AMAX:
+            tl.atomic_max(amax_ptr, tl.max(amax, axis=0))
+        tl.atomic_add(sat_ptr, tl.sum(count.to(tl.int64), axis=0))
+
+    @triton.jit
+    def _cast_kernel(
         x_ptr,  # input: fp32, fp16, or int16 words of bf16
         q_ptr,  # uint8 fp8 bits, same numel
-        scale_ptr,  # fp32 scalar
-        amax_ptr,  # int32 scalar, zeroed: bits of the amax, see "Note: amax across programs"
-        saturated_ptr,  # int64 scalar, zeroed
+        scale_ptr, init_ptr,  # fp32 scalars (MODE 0 and 2: the given scale; 2: the initialized flag)
+        amax_ptr,  # int32 scalar: bits of the amax, see "Note: amax across programs"
+        sat_ptr,  # int64 scalar
+        sc_ptr,  # fp32 [2]: the scale used and its inverse
         numel,
-        BLOCK: tl.constexpr,
-        IS_BF16: tl.constexpr,
-        FP8_MAX: tl.constexpr,
-        SAT_ABOVE: tl.constexpr,
-        MANT: tl.constexpr,
-        BIAS: tl.constexpr,
+        BLOCK: tl.constexpr, IS_BF16: tl.constexpr, FP8_MAX: tl.constexpr, SAT_ABOVE: tl.constexpr,
+        MANT: tl.constexpr, BIAS: tl.constexpr, MODE: tl.constexpr, ACC_AMAX: tl.constexpr,
+        MARGIN_MUL: tl.constexpr, POW2: tl.constexpr,
     ):
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
-        scale = tl.load(scale_ptr)
+        scale = _resolve_scale(scale_ptr, init_ptr, amax_ptr, MODE, FP8_MAX, MARGIN_MUL, POW2)
+        _store_scales(sc_ptr, scale, pid)
         offs = tl.arange(0, BLOCK)
         # Kept per lane across tiles and reduced once after the loop: a reduction per tile
         # would be a cross-warp exchange per tile.
@@ -215,38 +269,34 @@ if triton is not None:
             tl.store(q_ptr + o, bits.to(tl.uint8), mask=mask)
             amax = tl.maximum(amax, x_abs)
             count += sat
-        tl.atomic_max(amax_ptr, tl.max(amax, axis=0))
-        tl.atomic_add(saturated_ptr, tl.sum(count.to(tl.int64), axis=0))
+        _finish(amax_ptr, sat_ptr, amax, count, ACC_AMAX)
 
     @triton.jit
     def _cast_transpose_tile(
-        x_ptr,
-        q_ptr,
-        qt_ptr,
+        x_ptr, q_ptr, qt_ptr,
         rows,  # [TILE_M] int64 row indices of the tile
         cols,  # [TILE_N] int64 column indices
-        M,
-        N,
+        M, N,
         mask,  # [TILE_M, TILE_N], or None when MASKED is False
         scale,
         amax,  # [TILE_M] int32 running max of |x| bits
         count,  # [TILE_M] int32 running saturation count
-        MASKED: tl.constexpr,
-        IS_BF16: tl.constexpr,
-        FP8_MAX: tl.constexpr,
-        SAT_ABOVE: tl.constexpr,
-        MANT: tl.constexpr,
-        BIAS: tl.constexpr,
+        MASKED: tl.constexpr, IS_BF16: tl.constexpr, FP8_MAX: tl.constexpr, SAT_ABOVE: tl.constexpr,
+        MANT: tl.constexpr, BIAS: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr,
     ):
         x = _load_f32(x_ptr + rows[:, None] * N + cols[None, :], mask, IS_BF16, MASKED)
         bits, x_abs, sat = _quantize(x, scale, FP8_MAX, SAT_ABOVE, MANT, BIAS)
         b8 = bits.to(tl.uint8)
         if MASKED:
-            tl.store(q_ptr + rows[:, None] * N + cols[None, :], b8, mask=mask)
-            tl.store(qt_ptr + cols[None, :] * M + rows[:, None], b8, mask=mask)
+            if WRITE_Q:
+                tl.store(q_ptr + rows[:, None] * N + cols[None, :], b8, mask=mask)
+            if WRITE_QT:
+                tl.store(qt_ptr + cols[None, :] * M + rows[:, None], b8, mask=mask)
         else:
-            tl.store(q_ptr + rows[:, None] * N + cols[None, :], b8)
-            tl.store(qt_ptr + cols[None, :] * M + rows[:, None], b8)
+            if WRITE_Q:
+                tl.store(q_ptr + rows[:, None] * N + cols[None, :], b8)
+            if WRITE_QT:
+                tl.store(qt_ptr + cols[None, :] * M + rows[:, None], b8)
         # Reduced along the rows of the tile right away: per-lane accumulators of a 2-D tile
         # would hold two more registers per element across the loop.
         return tl.maximum(amax, tl.max(x_abs, axis=1)), count + tl.sum(sat, axis=1)
@@ -256,22 +306,17 @@ if triton is not None:
         x_ptr,  # (M, N) row-major input: fp32, fp16, or int16 words of bf16
         q_ptr,  # (M, N) uint8 fp8 bits
         qt_ptr,  # (N, M) uint8 fp8 bits
-        scale_ptr,  # fp32 scalar
-        amax_ptr,  # int32 scalar, zeroed
-        saturated_ptr,  # int64 scalar, zeroed
-        M,
-        N,
-        TILE_M: tl.constexpr,
-        TILE_N: tl.constexpr,
-        IS_BF16: tl.constexpr,
-        FP8_MAX: tl.constexpr,
-        SAT_ABOVE: tl.constexpr,
-        MANT: tl.constexpr,
-        BIAS: tl.constexpr,
+        scale_ptr, init_ptr, amax_ptr, sat_ptr, sc_ptr,  # as in _cast_kernel
+        M, N,
+        TILE_M: tl.constexpr, TILE_N: tl.constexpr, IS_BF16: tl.constexpr, FP8_MAX: tl.constexpr,
+        SAT_ABOVE: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, MODE: tl.constexpr,
+        ACC_AMAX: tl.constexpr, MARGIN_MUL: tl.constexpr, POW2: tl.constexpr,
+        WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr,
     ):
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
-        scale = tl.load(scale_ptr)
+        scale = _resolve_scale(scale_ptr, init_ptr, amax_ptr, MODE, FP8_MAX, MARGIN_MUL, POW2)
+        _store_scales(sc_ptr, scale, pid)
         tiles_n = tl.cdiv(N, TILE_N)
         n_tiles = tl.cdiv(M, TILE_M) * tiles_n
         full_m = M // TILE_M
@@ -287,13 +332,75 @@ if triton is not None:
             rows = tm.to(tl.int64) * TILE_M + rm
             cols = tn.to(tl.int64) * TILE_N + rn
             if (tm < full_m) & (tn < full_n):
-                amax, count = _cast_transpose_tile(x_ptr, q_ptr, qt_ptr, rows, cols, M, N, None, scale, amax, count, False, IS_BF16, FP8_MAX, SAT_ABOVE, MANT, BIAS)
+                amax, count = _cast_transpose_tile(x_ptr, q_ptr, qt_ptr, rows, cols, M, N, None, scale, amax, count, False, IS_BF16, FP8_MAX, SAT_ABOVE, MANT, BIAS, WRITE_Q, WRITE_QT)
             else:
                 mask = (rows < M)[:, None] & (cols < N)[None, :]
-                amax, count = _cast_transpose_tile(x_ptr, q_ptr, qt_ptr, rows, cols, M, N, mask, scale, amax, count, True, IS_BF16, FP8_MAX, SAT_ABOVE, MANT, BIAS)
+                amax, count = _cast_transpose_tile(x_ptr, q_ptr, qt_ptr, rows, cols, M, N, mask, scale, amax, count, True, IS_BF16, FP8_MAX, SAT_ABOVE, MANT, BIAS, WRITE_Q, WRITE_QT)
             j += programs
-        tl.atomic_max(amax_ptr, tl.max(amax, axis=0))
-        tl.atomic_add(saturated_ptr, tl.sum(count.to(tl.int64), axis=0))
+        _finish(amax_ptr, sat_ptr, amax, count, ACC_AMAX)
+
+    @triton.jit
+    def _halve(x, H: tl.constexpr, TILE_N: tl.constexpr):
+        # Rows r and r + H of a [2H, TILE_N] block, added: one level of the bias gradient's tree.
+        a, b = tl.split(tl.permute(tl.reshape(x, [2, H, TILE_N]), [1, 2, 0]))
+        return a + b
+
+    @triton.jit
+    def _block_sum(x, TILE_N: tl.constexpr):
+        # The column sums of a [64, TILE_N] block as the pairwise tree of the rule (DB_ROWS).
+        x = _halve(x, 32, TILE_N)
+        x = _halve(x, 16, TILE_N)
+        x = _halve(x, 8, TILE_N)
+        x = _halve(x, 4, TILE_N)
+        x = _halve(x, 2, TILE_N)
+        x = _halve(x, 1, TILE_N)
+        return tl.reshape(x, [TILE_N])
+
+    @triton.jit
+    def _cast_transpose_dbias_kernel(
+        x_ptr, q_ptr, qt_ptr,  # as in _cast_transpose_kernel
+        db_ptr,  # (N,) fp32: the bias gradient, column sums of x
+        scale_ptr, init_ptr, amax_ptr, sat_ptr, sc_ptr,
+        M, N,
+        TILE_N: tl.constexpr, IS_BF16: tl.constexpr, FP8_MAX: tl.constexpr, SAT_ABOVE: tl.constexpr,
+        MANT: tl.constexpr, BIAS: tl.constexpr, MODE: tl.constexpr, ACC_AMAX: tl.constexpr,
+        MARGIN_MUL: tl.constexpr, POW2: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr,
+    ):
+        # A program owns whole column blocks and walks their row blocks in order, so each
+        # column's sum has the rule's order with no cross-program reduction.
+        pid = tl.program_id(0)
+        programs = tl.num_programs(0)
+        scale = _resolve_scale(scale_ptr, init_ptr, amax_ptr, MODE, FP8_MAX, MARGIN_MUL, POW2)
+        _store_scales(sc_ptr, scale, pid)
+        rm = tl.arange(0, 64)
+        rn = tl.arange(0, TILE_N)
+        tiles_m = tl.cdiv(M, 64)
+        tiles_n = tl.cdiv(N, TILE_N)
+        amax = tl.zeros([TILE_N], dtype=tl.int32)
+        count = tl.zeros([TILE_N], dtype=tl.int32)
+        cb = pid
+        while cb < tiles_n:
+            cols = cb.to(tl.int64) * TILE_N + rn
+            in_cols = cols < N
+            db = tl.zeros([TILE_N], dtype=tl.float32)
+            tm = cb * 0
+            while tm < tiles_m:
+                rows = tm.to(tl.int64) * 64 + rm
+                mask = (rows < M)[:, None] & in_cols[None, :]
+                x = _load_f32(x_ptr + rows[:, None] * N + cols[None, :], mask, IS_BF16, True)
+                bits, x_abs, sat = _quantize(x, scale, FP8_MAX, SAT_ABOVE, MANT, BIAS)
+                b8 = bits.to(tl.uint8)
+                if WRITE_Q:
+                    tl.store(q_ptr + rows[:, None] * N + cols[None, :], b8, mask=mask)
+                if WRITE_QT:
+                    tl.store(qt_ptr + cols[None, :] * M + rows[:, None], b8, mask=mask)
+                amax = tl.maximum(amax, tl.max(x_abs, axis=0))
+                count += tl.sum(sat, axis=0)
+                db = db + _block_sum(x, TILE_N)
+                tm += 1
+            tl.store(db_ptr + cols, db, mask=in_cols)
+            cb += programs
+        _finish(amax_ptr, sat_ptr, amax, count, ACC_AMAX)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -305,66 +412,36 @@ def _kernel_input(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
-def _accumulators(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.zeros((), dtype=torch.int32, device=device), torch.zeros((), dtype=torch.int64, device=device)
+def new_accumulators(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed accumulators for :func:`quantize_`: ``(amax bits, int32 [1]; count, int64 [1])``,
+    from one allocation (the amax in the low half of its first int64).
+
+    Example::
+
+        >>> [t.tolist() for t in new_accumulators(torch.device("cpu"))]
+        [[0], [0]]
+    """
+    acc = torch.zeros(2, dtype=torch.int64, device=device)
+    return acc.view(torch.int32)[:1], acc[1:]
 
 
-def _launch_amax_and_cast(t, scale, fp8_dtype, num_programs=None, block=None):
-    block = block or _BLOCK
-    q = torch.empty(t.shape, dtype=fp8_dtype, device=t.device)
-    amax_bits, saturated = _accumulators(t.device)
-    numel = t.numel()
-    if numel:
-        tiles = _cdiv(numel, block)
-        programs = max(1, min(num_programs or persistent_programs(tiles, t.device, _CAST_PROGRAMS_PER_SM), tiles))
-        limit, mant, bias = _FORMATS[fp8_dtype]
-        _amax_and_cast_kernel[(programs,)](
-            _kernel_input(t),
-            q.view(torch.uint8),
-            scale,
-            amax_bits,
-            saturated,
-            numel,
-            BLOCK=block,
-            IS_BF16=t.dtype == torch.bfloat16,
-            FP8_MAX=limit,
-            SAT_ABOVE=SATURATES_ABOVE[fp8_dtype],
-            MANT=mant,
-            BIAS=bias,
-            num_warps=_NUM_WARPS,
-        )
-    return q, amax_bits.view(torch.float32), saturated
+def bias_grad(t: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """The bias gradient of a 2-D ``t`` (:func:`bias_grad_reference`'s rule) in one read
+    where the kernel runs, for a backward that has no fp8 gemm to fuse it with.
 
+    Example::
 
-def _launch_cast_transpose(t, scale, fp8_dtype, num_programs=None, tile=None):
-    tile_m, tile_n = tile or (_TILE_M, _TILE_N)
-    M, N = t.shape
-    q = torch.empty((M, N), dtype=fp8_dtype, device=t.device)
-    q_t = torch.empty((N, M), dtype=fp8_dtype, device=t.device)
-    amax_bits, saturated = _accumulators(t.device)
-    if M and N:
-        tiles = _cdiv(M, tile_m) * _cdiv(N, tile_n)
-        programs = max(1, min(num_programs or persistent_programs(tiles, t.device, _TRANSPOSE_PROGRAMS_PER_SM), tiles))
-        limit, mant, bias = _FORMATS[fp8_dtype]
-        _cast_transpose_kernel[(programs,)](
-            _kernel_input(t),
-            q.view(torch.uint8),
-            q_t.view(torch.uint8),
-            scale,
-            amax_bits,
-            saturated,
-            M,
-            N,
-            TILE_M=tile_m,
-            TILE_N=tile_n,
-            IS_BF16=t.dtype == torch.bfloat16,
-            FP8_MAX=limit,
-            SAT_ABOVE=SATURATES_ABOVE[fp8_dtype],
-            MANT=mant,
-            BIAS=bias,
-            num_warps=_TRANSPOSE_WARPS,
-        )
-    return q, q_t, amax_bits.view(torch.float32), saturated
+        >>> bias_grad(torch.ones(3, 2)).tolist()
+        [3.0, 3.0]
+    """
+    _validate(t, None, torch.float8_e4m3fn, "bias_grad", backend, two_d=True)
+    if use_triton(backend, t.device, "bias_grad"):
+        acc, saturated = new_accumulators(t.device)
+        sc = torch.empty(2, dtype=torch.float32, device=t.device)
+        one = torch.ones((), dtype=torch.float32, device=t.device)
+        return _launch_quantize(t, torch.float8_e4m3fn, "given", one, None, acc, saturated, sc, 0, False, False,
+                                False, False, True)[2]
+    return bias_grad_reference(t)
 
 
 # --------------------------------------------------------------------------------------
@@ -439,6 +516,68 @@ def cast_transpose_reference(
     return q, q.t().contiguous(), amax, saturated
 
 
+def bias_grad_reference(dy: torch.Tensor) -> torch.Tensor:
+    """The bias gradient of a 2-D ``dy`` in float32, in the order of the module docstring.
+
+    Example::
+
+        >>> bias_grad_reference(torch.ones(100, 3, dtype=torch.bfloat16)).tolist()
+        [100.0, 100.0, 100.0]
+    """
+    if not isinstance(dy, torch.Tensor) or dy.dim() != 2:
+        raise ValueError("bias_grad_reference: dy must be a 2-D tensor (rows, features).")
+    m, n = dy.shape
+    x = dy.detach().to(torch.float32)
+    pad = (-m) % DB_ROWS
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, n)])
+    blocks = x.reshape(x.shape[0] // DB_ROWS, DB_ROWS, n)
+    rows = DB_ROWS
+    while rows > 1:
+        rows //= 2
+        blocks = blocks[:, :rows] + blocks[:, rows:]
+    total = torch.zeros(n, dtype=torch.float32, device=dy.device)
+    for block in blocks[:, 0]:
+        total = total + block
+    return total
+
+
+def resolve_scale_reference(mode: str, scale, initialized, amax: torch.Tensor, fp8_dtype: torch.dtype,
+                            margin: int = 0, power_of_two: bool = False) -> torch.Tensor:
+    """The scale :func:`quantize_` uses, by ``mode`` (see the module docstring), 0-d float32.
+
+    Example::
+
+        >>> resolve_scale_reference("first", torch.tensor(2.0), torch.tensor(0.0), torch.tensor(4.0),
+        ...                         torch.float8_e4m3fn)
+        tensor(112.)
+    """
+    if mode == "given":
+        return scale.to(torch.float32).reshape(())
+    own = scale_from_amax_reference(amax.reshape(()), fp8_max(fp8_dtype), margin, power_of_two)
+    if mode == "amax":
+        return own
+    return torch.where(initialized.reshape(()) > 0, scale.to(torch.float32).reshape(()), own)
+
+
+def quantize_reference(t: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, *, write_q: bool = True,
+                       write_qt: bool = False, dbias: bool = False):
+    """``(q or None, q_t or None, amax, saturated, db or None)`` of a 2-D ``t`` with a 0-d
+    float32 ``scale``: the oracle of :func:`quantize_`.
+
+    Example::
+
+        >>> q, q_t, a, sat, db = quantize_reference(torch.ones(2, 2), torch.tensor(4.0), torch.float8_e4m3fn,
+        ...                                         write_q=False, write_qt=True, dbias=True)
+        >>> q_t.float().tolist(), a.item(), db.tolist()
+        ([[4.0, 4.0], [4.0, 4.0]], 1.0, [2.0, 2.0])
+    """
+    _validate(t, scale, fp8_dtype, "quantize_reference", two_d=True)
+    q, amax, saturated = _reference(t, scale, fp8_dtype)
+    q_t = q.t().contiguous() if write_qt else None
+    return (q if write_q else None), q_t, amax, saturated, (bias_grad_reference(t) if dbias else None)
+
+
 # --------------------------------------------------------------------------------------
 # Public launchers
 # --------------------------------------------------------------------------------------
@@ -457,6 +596,8 @@ def _validate(t, scale, fp8_dtype, name: str, backend: str = "torch", two_d: boo
         raise ValueError(f"{name}: t must be 2-D (M, N), got shape {tuple(t.shape)}; reshape it to (-1, t.shape[-1]) first.")
     if not t.is_contiguous():
         raise ValueError(f"{name}: t must be contiguous (its stride is {t.stride()}); pass t.contiguous().")
+    if scale is None:
+        return
     if not isinstance(scale, torch.Tensor) or scale.dim() != 0 or scale.dtype != torch.float32:
         what = f"a {scale.dim()}-d {scale.dtype} tensor" if isinstance(scale, torch.Tensor) else f"a {type(scale).__name__}"
         raise TypeError(f"{name}: scale must be a 0-d float32 tensor, got {what}; pass torch.tensor(value, dtype=torch.float32, device=t.device).")
@@ -513,20 +654,139 @@ def cast_transpose(
     return _cast_transpose(t, scale, fp8_dtype, backend)
 
 
+def quantize_(t: torch.Tensor, fp8_dtype: torch.dtype, *, mode: str, scale: torch.Tensor | None,
+              initialized: torch.Tensor | None, amax_acc: torch.Tensor, saturated_acc: torch.Tensor,
+              sc_out: torch.Tensor, margin: int = 0, power_of_two: bool = False, accumulate_amax: bool = True,
+              write_q: bool = True, write_qt: bool = False, dbias: bool = False, backend: str = "auto",
+              num_programs: int | None = None, tile: tuple[int, int] | None = None):
+    """One read of a 2-D ``t``: ``(q or None, q_t or None, db or None)``, the accumulators
+    and ``sc_out`` updated in place; never synchronizes.
+
+    ``mode`` (:data:`MODES`) picks the scale: ``"given"`` reads ``scale`` (a float32 element
+    on ``t``'s device); ``"amax"`` derives it from ``amax_acc`` (float32 bits in a
+    one-element int32 tensor, filled by ``fp8_amax.amax_into_``) by the rule of
+    ``fp8_scale`` with ``margin`` and ``power_of_two``; ``"first"`` takes ``scale`` where
+    ``initialized`` (a float32 element) is positive, else the ``"amax"`` one.
+    ``sc_out`` (float32, 2 elements) gets ``[scale, 1 / scale]``; ``saturated_acc`` (int64,
+    one element) grows by the saturated count; with ``accumulate_amax`` ``amax_acc`` takes
+    ``max|t|``. ``write_q``/``write_qt`` choose the layouts; ``dbias`` also returns the
+    bias gradient (float32, the rule of the module docstring). Equals the references bit
+    for bit; ``backend`` as in :func:`amax_and_cast`.
+
+    Example::
+
+        >>> t = torch.tensor([[1.0, -2.0], [3.0, 0.5]])
+        >>> acc, sat, sc = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64), torch.empty(2)
+        >>> acc.view(torch.float32).fill_(3.0)
+        tensor([3.])
+        >>> q, q_t, db = quantize_(t, torch.float8_e4m3fn, mode="amax", scale=None, initialized=None,
+        ...                        amax_acc=acc, saturated_acc=sat, sc_out=sc, accumulate_amax=False, dbias=True)
+        >>> sc.tolist(), q.float().tolist(), db.tolist()
+        ([149.3333282470703, 0.0066964286379516125], [[144.0, -288.0], [448.0, 72.0]], [4.0, -1.5])
+    """
+    _validate(t, None, fp8_dtype, "quantize_", backend, two_d=True)
+    if mode not in MODES:
+        raise ValueError(f"quantize_: mode must be one of {sorted(MODES)}, got {mode!r}.")
+    if use_triton(backend, t.device, "quantize_"):
+        return _launch_quantize(t, fp8_dtype, mode, scale, initialized, amax_acc, saturated_acc, sc_out, margin,
+                                power_of_two, accumulate_amax, write_q, write_qt, dbias, num_programs, tile)
+    a_now = amax_acc.view(torch.float32).reshape(())
+    s = resolve_scale_reference(mode, scale, initialized, a_now, fp8_dtype, margin, power_of_two)
+    q, q_t, a, saturated, db = quantize_reference(t, s, fp8_dtype, write_q=write_q, write_qt=write_qt, dbias=dbias)
+    with torch.no_grad():
+        if accumulate_amax:
+            amax_acc.copy_(torch.maximum(amax_acc, a.view(torch.int32).reshape(1)))
+        saturated_acc.copy_(saturated_acc + saturated)
+        sc_out.copy_(torch.stack([s, s.reciprocal()]))
+    return q, q_t, db
+
+
+def _rule_args(fp8_dtype, mode, margin, power_of_two) -> dict:
+    limit, mant, bias = _FORMATS[fp8_dtype]
+    return dict(FP8_MAX=limit, SAT_ABOVE=SATURATES_ABOVE[fp8_dtype], MANT=mant, BIAS=bias, MODE=MODES[mode],
+                MARGIN_MUL=2.0 ** -margin, POW2=bool(power_of_two))
+
+
+def _launch_quantize(t, fp8_dtype, mode, scale, initialized, amax_acc, saturated_acc, sc_out, margin, power_of_two,
+                     accumulate_amax, write_q, write_qt, dbias, num_programs=None, tile=None):
+    M, N = t.shape
+    q = torch.empty((M, N), dtype=fp8_dtype, device=t.device) if write_q else None
+    q_t = torch.empty((N, M), dtype=fp8_dtype, device=t.device) if write_qt else None
+    db = torch.empty(N, dtype=torch.float32, device=t.device) if dbias else None
+    # Pointers the kernel does not read in this mode still need a tensor: sc_out serves.
+    scale_arg = sc_out if scale is None else scale
+    init_arg = sc_out if initialized is None else initialized
+    common = dict(IS_BF16=t.dtype == torch.bfloat16, ACC_AMAX=bool(accumulate_amax),
+                  **_rule_args(fp8_dtype, mode, margin, power_of_two))
+    x = _kernel_input(t)
+    q_bits = q.view(torch.uint8) if q is not None else sc_out
+    qt_bits = q_t.view(torch.uint8) if q_t is not None else sc_out
+    with torch.no_grad():
+        if dbias and M and N:
+            tile_n = (tile or (None, _dbias_tile_n(N, t.device)))[1]
+            tiles = _cdiv(N, tile_n)
+            programs = max(1, min(num_programs or persistent_programs(tiles, t.device, _TRANSPOSE_PROGRAMS_PER_SM), tiles))
+            launch(_cast_transpose_dbias_kernel, (programs,), x, q_bits, qt_bits, db, scale_arg, init_arg,
+                   amax_acc, saturated_acc, sc_out, M, N, TILE_N=tile_n, WRITE_Q=write_q, WRITE_QT=write_qt,
+                   num_warps=_TRANSPOSE_WARPS, **common)
+        elif write_qt and M and N:
+            tile_m, tile_n = tile or (_TILE_M, _TILE_N)
+            tiles = _cdiv(M, tile_m) * _cdiv(N, tile_n)
+            programs = max(1, min(num_programs or persistent_programs(tiles, t.device, _TRANSPOSE_PROGRAMS_PER_SM), tiles))
+            launch(_cast_transpose_kernel, (programs,), x, q_bits, qt_bits, scale_arg, init_arg, amax_acc,
+                   saturated_acc, sc_out, M, N, TILE_M=tile_m, TILE_N=tile_n, WRITE_Q=write_q, WRITE_QT=True,
+                   num_warps=_TRANSPOSE_WARPS, **common)
+        else:  # also an empty t: one program still writes the scales
+            numel = t.numel() if write_q else 0
+            tiles = max(1, _cdiv(numel, _BLOCK))
+            programs = max(1, min(num_programs or persistent_programs(tiles, t.device, _CAST_PROGRAMS_PER_SM), tiles))
+            launch(_cast_kernel, (programs,), x, q_bits, scale_arg, init_arg, amax_acc, saturated_acc, sc_out,
+                   numel, BLOCK=_BLOCK, num_warps=_NUM_WARPS, **common)
+            if dbias:
+                db.zero_()
+    return q, q_t, db
+
+
+def _dbias_tile_n(n: int, device: torch.device) -> int:
+    # Columns per program: wide tiles where there are enough column blocks to fill the GPU,
+    # narrower ones (more programs) where there are not. Any width gives the same bits.
+    if device.type != "cuda":
+        return 16
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    for width in (64, 32):
+        if _cdiv(n, width) >= _TRANSPOSE_PROGRAMS_PER_SM * sms:
+            return width
+    return 16
+
+
 # Internal entries: ``num_programs`` overrides the Triton grid and ``block``/``tile`` the tile
 # size, so tests cover many tiles and programs on small tensors.
 def _amax_and_cast(t, scale, fp8_dtype, backend="auto", *, num_programs=None, block=None):
     _validate(t, scale, fp8_dtype, "amax_and_cast", backend)
     if use_triton(backend, t.device, "amax_and_cast"):
         with torch.no_grad():
-            return _launch_amax_and_cast(t, scale, fp8_dtype, num_programs, block)
+            q = torch.empty(t.shape, dtype=fp8_dtype, device=t.device)
+            amax_bits, saturated = new_accumulators(t.device)
+            sc = torch.empty(2, dtype=torch.float32, device=t.device)
+            numel = t.numel()
+            if numel:
+                block = block or _BLOCK
+                tiles = _cdiv(numel, block)
+                programs = max(1, min(num_programs or persistent_programs(tiles, t.device, _CAST_PROGRAMS_PER_SM), tiles))
+                launch(_cast_kernel, (programs,), _kernel_input(t), q.view(torch.uint8), scale, scale, amax_bits,
+                       saturated, sc, numel, BLOCK=block, IS_BF16=t.dtype == torch.bfloat16, ACC_AMAX=True,
+                       num_warps=_NUM_WARPS, **_rule_args(fp8_dtype, "given", 0, False))
+        return q, amax_bits.view(torch.float32).reshape(()), saturated.reshape(())
     return _reference(t, scale, fp8_dtype)
 
 
 def _cast_transpose(t, scale, fp8_dtype, backend="auto", *, num_programs=None, tile=None):
     _validate(t, scale, fp8_dtype, "cast_transpose", backend, two_d=True)
     if use_triton(backend, t.device, "cast_transpose"):
-        with torch.no_grad():
-            return _launch_cast_transpose(t, scale, fp8_dtype, num_programs, tile)
+        amax_bits, saturated = new_accumulators(t.device)
+        sc = torch.empty(2, dtype=torch.float32, device=t.device)
+        q, q_t, _ = _launch_quantize(t, fp8_dtype, "given", scale, None, amax_bits, saturated, sc, 0, False, True,
+                                     True, True, False, num_programs, tile)
+        return q, q_t, amax_bits.view(torch.float32).reshape(()), saturated.reshape(())
     q, amax, saturated = _reference(t, scale, fp8_dtype)
     return q, q.t().contiguous(), amax, saturated

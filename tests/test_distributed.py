@@ -439,6 +439,46 @@ def fp8_worker(rank):
     return out
 
 
+def fp8_skip_worker(rank):
+    """DelayedScaling under DDP where rank 1 skips the middle layer at step 1 (a
+    data-dependent branch): the ranks must keep pairing their collectives and their
+    histories, as native bf16 trains on."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from dispatch_amp import fp8
+
+    class Branchy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.first, self.middle, self.last = (torch.nn.Linear(32, 32) for _ in range(3))
+
+        def forward(self, x, skip):
+            h = self.first(x)
+            if not skip:
+                h = h + self.middle(h)
+            return self.last(h)
+
+    model = Branchy()
+    recipe = fp8.DelayedScaling(amax_history_len=4).bind(model)
+    ddp = DDP(model, find_unused_parameters=True)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    middle = []
+    model.middle.register_forward_pre_hook(lambda module, args: middle.append(args[0].detach().abs().max().float()))
+    for step in range(3):
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(10 * step + rank)) * (1 + 2 * rank)
+        skip = rank == 1 and step == 1
+        with amp.autocast("cpu", dtype=torch.bfloat16, fp8=recipe):
+            loss = ddp(x, skip).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if skip:
+            middle.append(None)
+    state = recipe.state_dict()
+    return {"state": state, "middle_amax": middle, "weights": [p.detach().clone() for p in model.parameters()]}
+
+
 # ------------------------------------------------------------------------------------------
 # Fixtures: one spawn per scenario
 # ------------------------------------------------------------------------------------------
@@ -703,3 +743,21 @@ def test_fp8_without_reduction_the_ranks_histories_differ(fp8_run):
     r0, r1 = fp8_run[0]["ddp-no-reduce"], fp8_run[1]["ddp-no-reduce"]
     assert torch.equal(r0["input_history"][0][:3], r0["local_amax"].flip(0))
     assert not torch.equal(r0["input_history"][0], r1["input_history"][0])
+
+
+@pytest.fixture(scope="module")
+def fp8_skip_run(tmp_path_factory):
+    return all_results(run_ranks(fp8_skip_worker, tmp_path_factory.mktemp("fp8-skip"), deadline_s=120.0))
+
+
+def test_fp8_ddp_where_one_rank_skips_a_site_trains_on_with_one_history(fp8_skip_run):
+    r0, r1 = fp8_skip_run
+    for name, entries in r0["state"]["sites"].items():
+        for key, value in entries.items():
+            assert bits_equal([value], [r1["state"]["sites"][name][key]]), (name, key)
+    assert bits_equal(r0["weights"], r1["weights"])
+    # The middle layer's input history: each step's max over the ranks that called it
+    # (only rank 0 at step 1), newest first.
+    want = [max(a for a in (r0["middle_amax"][s], r1["middle_amax"][s]) if a is not None) for s in range(3)]
+    history = r0["state"]["sites"]["middle"]["input_history"]
+    assert history[:3].tolist() == torch.stack(want).flip(0).tolist()

@@ -495,19 +495,18 @@ def test_update_scale_extensions_against_the_reference_on_cuda():
 
 @pytest.fixture
 def fp8_spy(monkeypatch):
-    """Counts the Triton launchers of the fp8 kernels (backend="auto" must reach them)."""
+    """Counts the calls of the fp8 kernels' public functions that take the Triton path
+    (backend="auto" must reach it), by the name they pass to use_triton."""
     calls = {"amax_and_cast": 0, "cast_transpose": 0}
-    real = {"amax_and_cast": fp8_mod._launch_amax_and_cast, "cast_transpose": fp8_mod._launch_cast_transpose}
+    real = fp8_mod.use_triton
 
-    def wrap(name):
-        def launcher(*args, **kwargs):
+    def counting(backend, device, name):
+        taken = real(backend, device, name)
+        if taken and name in calls:
             calls[name] += 1
-            return real[name](*args, **kwargs)
+        return taken
 
-        return launcher
-
-    monkeypatch.setattr(fp8_mod, "_launch_amax_and_cast", wrap("amax_and_cast"))
-    monkeypatch.setattr(fp8_mod, "_launch_cast_transpose", wrap("cast_transpose"))
+    monkeypatch.setattr(fp8_mod, "use_triton", counting)
     return calls
 
 

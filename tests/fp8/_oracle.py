@@ -2,7 +2,8 @@
 
 Quantize: ``q = clamp(t.float() * scale, -max, max).to(fmt)``, inf/nan -> nan; dequantize:
 ``q.float() * (1 / scale)``; every gemm is a float32 matmul of dequantized operands, cast
-to the output dtype; the bias is added to the float32 result; bias grad is a float32 sum.
+to the output dtype; the bias, rounded to the output dtype, is added to the float32
+result; bias grad is a float32 sum in a fixed order (``bias_grad``).
 """
 
 from __future__ import annotations
@@ -23,13 +24,43 @@ def dequantize(q, scale):
     return q.float() * scale.reciprocal()
 
 
+F32_MAX = torch.finfo(torch.float32).max
+
+
+def scale_of(a, fmt, margin=0, power_of_two=False):
+    """README: max / amax / 2**margin, clamped to float32's largest value, rounded down to
+    a power of two if asked; 1 where amax is 0."""
+    s = torch.tensor(MAX[fmt]) / a
+    if margin:
+        s = s / 2.0 ** margin
+    s = torch.where(s > F32_MAX, torch.tensor(F32_MAX), s)
+    if power_of_two:
+        mantissa, exponent = torch.frexp(s)  # s = mantissa * 2**exponent, mantissa in [0.5, 1)
+        s = torch.where((s > 0) & torch.isfinite(s), torch.ldexp(torch.ones_like(s), exponent - 1), s)
+    return torch.where(a == 0, torch.ones_like(s), s)
+
+
 def current_scale(t, fmt, rowwise=False, power_of_two=False):
     a = t.float().abs()
     a = a.amax(dim=-1, keepdim=True) if rowwise else a.amax()
-    s = torch.tensor(MAX[fmt]) / a
-    if power_of_two:
-        s = torch.exp2(torch.floor(torch.log2(s)))
-    return torch.where(a == 0, torch.ones_like(s), s)
+    return scale_of(a, fmt, power_of_two=power_of_two)
+
+
+def bias_grad(dy2):
+    """README: dy's column sums in float32, rows in blocks of 64 (the last padded with
+    zeros), each block a pairwise tree (row r with row r + 32, then r + 16, ...), the
+    blocks' sums added in order from zero."""
+    x = dy2.float()
+    rows = x.shape[0]
+    x = torch.cat([x, torch.zeros(-rows % 64, x.shape[1])])
+    total = torch.zeros(x.shape[1])
+    for start in range(0, x.shape[0], 64):
+        block = x[start:start + 64]
+        while block.shape[0] > 1:
+            half = block.shape[0] // 2
+            block = block[:half] + block[half:]
+        total = total + block[0]
+    return total
 
 
 def qdq(t, scale, fmt):
@@ -39,12 +70,13 @@ def qdq(t, scale, fmt):
 def linear_forward(x2, w, b, sx, sw, fmt, out_dtype):
     y = qdq(x2, sx, fmt) @ qdq(w, sw, fmt).t()
     if b is not None:
-        y = y + b.float()
+        y = y + b.to(out_dtype).float()
     return y.to(out_dtype)
 
 
 class DelayedSite:
-    """DelayedScaling's state for one site, per README: histories newest first, scales from 1."""
+    """DelayedScaling's state for one site, per README: histories newest first, scales from
+    1; until a role has recorded a positive finite amax, a call scales from its own amax."""
 
     def __init__(self, n=16, algo="max", margin=0):
         self.n, self.algo, self.margin = n, algo, margin
@@ -52,12 +84,11 @@ class DelayedSite:
         self.scale = {r: torch.tensor(1.0) for r in ("input", "weight", "grad_output")}
 
     def use(self, role, t, fmt):
-        s = self.scale[role].clone()
-        a = t.float().abs().amax().item()
-        h = self.history[role] = [a] + self.history[role][:-1]
+        a = t.float().abs().amax()
+        seen = any(0 < h < float("inf") for h in self.history[role])
+        s = self.scale[role].clone() if seen else scale_of(a, fmt, self.margin)
+        h = self.history[role] = [a.item()] + self.history[role][:-1]
         ref = max(h) if self.algo == "max" else h[0]
         if ref > 0 and ref != float("inf") and ref == ref:
-            self.scale[role] = torch.tensor(MAX[fmt], dtype=torch.float32) / torch.tensor(ref, dtype=torch.float32)
-            if self.margin:
-                self.scale[role] = self.scale[role] / 2.0 ** self.margin
+            self.scale[role] = scale_of(torch.tensor(ref, dtype=torch.float32), fmt, self.margin)
         return s

@@ -91,17 +91,45 @@ def test_cast_keeps_non_finite_values_non_finite_and_counts_saturation(scale, va
     assert saturated.item() == int((finite & (y.abs() > _rules.SATURATES_ABOVE[fmt])).sum())
 
 
-@given(amax=st.floats(0, 1e30, allow_subnormal=False), margin=st.integers(0, 3), pow2=st.booleans())
-def test_scale_rules(amax, margin, pow2):
+@given(amax=st.floats(0, 2.0 ** 100, width=32), margin=st.integers(0, 3), pow2=st.booleans())
+def test_scale_rules(oracle, amax, margin, pow2):
     a = torch.tensor(amax, dtype=torch.float32)
     s = _rules.scale_from_amax(a, E4M3, margin=margin, power_of_two=pow2)
+    assert s.dtype == torch.float32 and torch.isfinite(s)
+    assert s.item() == oracle.scale_of(a, E4M3, margin, pow2).item()
     if a.item() == 0:
         assert s.item() == 1.0
-        return
-    want = torch.tensor(448.0) / a / 2.0 ** margin
-    if pow2:
-        want = torch.exp2(torch.floor(torch.log2(want)))
-    assert s.item() == want.item()
+
+
+@given(amax=st.floats(2.0 ** -100, 2.0 ** 100, width=32), margin=st.integers(0, 3))
+def test_a_power_of_two_scale_is_never_above_the_exact_one(amax, margin):
+    a = torch.tensor(amax, dtype=torch.float32)
+    exact = _rules.scale_from_amax(a, E4M3, margin=margin)
+    pow2 = _rules.scale_from_amax(a, E4M3, margin=margin, power_of_two=True)
+    assert exact.item() / 2 < pow2.item() <= exact.item()
+    assert torch.frexp(pow2)[0].item() == 0.5  # a power of two
+
+
+def test_a_scale_just_below_a_power_of_two_rounds_down():
+    # 448 / a is the float just below 8: exp2(floor(log2(.))) gives 8, above the scale.
+    a = torch.tensor(448.0) / torch.tensor(8.0).nextafter(torch.tensor(0.0))
+    exact = _rules.scale_from_amax(a, E4M3)
+    assert exact.item() < 8.0
+    assert _rules.scale_from_amax(a, E4M3, power_of_two=True).item() == 4.0
+
+
+@pytest.mark.parametrize("recipe", [fp8.CurrentScaling(), fp8.DelayedScaling(), fp8.RowwiseScaling()],
+                         ids=lambda r: type(r).__name__)
+def test_a_tiny_amax_gives_a_finite_scale_and_zeros_stay_zero(recipe):
+    # An amax below fp8_max / float32's max used to give an inf scale, and 0 * inf = nan.
+    x = torch.zeros(16, 32)
+    x[0, 0] = 1e-38
+    w = torch.randn(16, 32)
+    for _ in range(2):
+        y = _linear_call(recipe, x, w, dtype=torch.float16)
+        assert not y.isnan().any()
+        assert torch.equal(y[1:], torch.zeros_like(y[1:]))
+    assert torch.isfinite(_rules.scale_from_amax(torch.tensor(1e-38), E4M3))
 
 
 # -- delayed scaling ------------------------------------------------------------------------

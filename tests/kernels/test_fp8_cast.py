@@ -283,8 +283,7 @@ def test_auto_backend_uses_torch_for_cpu_tensors(monkeypatch):
     def fail(*args, **kwargs):
         pytest.fail("the Triton launcher ran for CPU tensors under backend='auto'")
 
-    monkeypatch.setattr(fp8_mod, "_launch_amax_and_cast", fail)
-    monkeypatch.setattr(fp8_mod, "_launch_cast_transpose", fail)
+    monkeypatch.setattr(fp8_mod, "launch", fail)
     t = torch.tensor([[1.0, NAN], [-1000.0, 2.0**-12]])
     s = torch.tensor(1.0)
     assert_results_equal(amax_and_cast(t, s, torch.float8_e4m3fn), oracle("amax_and_cast", t, s, torch.float8_e4m3fn))
@@ -371,3 +370,89 @@ def test_triton_backend_without_triton_or_interpreter_is_a_clear_error():
         assert [line.split(":")[0] for line in lines[:2]] == ["ERR amax_and_cast", "ERR cast_transpose"], lines
         assert all(needle in line for line in lines[:2]), lines
         assert lines[2] == "OK [2.0, 448.0] 500.0 1", lines
+
+
+# -- quantize_: scale sources, layouts, the bias gradient -------------------------------------------
+
+from dispatch_amp.kernels import bias_grad, bias_grad_reference, quantize_, quantize_reference  # noqa: E402
+from dispatch_amp.kernels import resolve_scale_reference  # noqa: E402
+
+
+def _quantize_both(t, fp8_dtype, mode, given, init, acc_value, margin, pow2, accumulate, write_q, write_qt, dbias,
+                   backend, **kwargs):
+    """quantize_ on ``backend`` and the references; both as (q, q_t, db, amax acc, count, sc)."""
+    out = []
+    for which in (backend, "reference"):
+        acc = torch.tensor([acc_value], dtype=torch.float32).view(torch.int32).clone()
+        sat = torch.tensor([3], dtype=torch.int64)
+        sc = torch.empty(2)
+        scale = torch.tensor(given)
+        initialized = torch.tensor(init)
+        if which == "reference":
+            s = resolve_scale_reference(mode, scale, initialized, acc.view(torch.float32), fp8_dtype, margin, pow2)
+            q, q_t, a, n, db = quantize_reference(t, s, fp8_dtype, write_q=write_q, write_qt=write_qt, dbias=dbias)
+            if accumulate:
+                acc = torch.maximum(acc, a.view(torch.int32).reshape(1))
+            out.append((q, q_t, db, acc, sat + n, torch.stack([s, s.reciprocal()])))
+        else:
+            q, q_t, db = quantize_(t, fp8_dtype, mode=mode, scale=scale, initialized=initialized, amax_acc=acc,
+                                   saturated_acc=sat, sc_out=sc, margin=margin, power_of_two=pow2,
+                                   accumulate_amax=accumulate, write_q=write_q, write_qt=write_qt, dbias=dbias,
+                                   backend=which, **kwargs)
+            out.append((q, q_t, db, acc, sat, sc))
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=60)
+@given(
+    t=tensors(two_d=True),
+    fp8_dtype=st.sampled_from(FP8),
+    mode=st.sampled_from(["given", "amax", "first"]),
+    given_scale=scales,
+    init=st.sampled_from([0.0, 1.0]),
+    acc_value=st.one_of(st.floats(0, 2.0 ** 100, width=32), st.sampled_from([0.0, 1e-40, 1e-38, INF, NAN])),
+    margin=st.integers(0, 3),
+    pow2=st.booleans(),
+    layouts=st.sampled_from([(True, False), (True, True), (False, True)]),
+    dbias=st.booleans(),
+    programs=st.integers(1, 5),
+)
+def test_quantize_matches_the_references(backend, t, fp8_dtype, mode, given_scale, init, acc_value, margin, pow2,
+                                         layouts, dbias, programs):
+    write_q, write_qt = layouts
+    accumulate = mode == "given"
+    got, want = _quantize_both(t, fp8_dtype, mode, given_scale, init, acc_value, margin, pow2, accumulate, write_q,
+                               write_qt, dbias, backend, num_programs=programs)
+    for name, g, w in zip(("q", "q_t", "db", "amax", "count", "sc"), got, want):
+        if w is None:
+            assert g is None, name
+        else:
+            assert_bits_equal(g, w)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("tile_n", [16, 32, 64])
+@pytest.mark.parametrize("shape", [(1, 3), (63, 17), (64, 64), (65, 40), (200, 33), (512, 16)], ids=str)
+def test_the_bias_gradient_has_the_same_bits_whatever_the_grid(shape, tile_n):
+    g = torch.Generator().manual_seed(0)
+    t = (torch.randn(*shape, generator=g) * torch.logspace(-6, 6, shape[1])).to(torch.bfloat16)
+    t[0, 0] = -0.0
+    want = bias_grad_reference(t)
+    for programs in (1, 3):
+        acc, sat = fp8_mod.new_accumulators(t.device)
+        _, _, db = quantize_(t, torch.float8_e5m2, mode="amax", scale=None, initialized=None, amax_acc=acc,
+                             saturated_acc=sat, sc_out=torch.empty(2), accumulate_amax=False, write_q=False,
+                             dbias=True, backend="triton", num_programs=programs, tile=(64, tile_n))
+        assert_bits_equal(db, want)
+    assert_bits_equal(bias_grad(t, backend="triton"), want)
+
+
+def test_the_bias_gradient_rule_sums_64_row_blocks_as_trees_then_in_order():
+    # Values whose sum depends on the order: the rule's order gives this exact result.
+    t = torch.zeros(130, 1)
+    t[0], t[32], t[64], t[128] = 1.0, 2.0**24, 1.0, -(2.0**24)
+    # block 0: 1 + 2**24 rounds to 2**24; block 1: 1; block 2: -2**24 -> 2**24 + 1 rounds, then - 2**24
+    assert bias_grad_reference(t).item() == 0.0
+    assert bias_grad_reference(torch.ones(100, 3, dtype=torch.float16)).tolist() == [100.0] * 3
+    assert bias_grad_reference(torch.zeros(0, 2)).tolist() == [0.0, 0.0]

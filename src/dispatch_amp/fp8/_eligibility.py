@@ -41,7 +41,8 @@ def fp8_eligible(recipe: Recipe, device_type: str, x, weight, bias, name=_LOOK_U
 
     Plain floating tensors (float32, bfloat16, float16) on the region's device type, a
     2-D weight, shapes ``recipe.eligible`` accepts (every gemm dimension a multiple of 16,
-    then the recipe's ``filter_fn``, given ``name``: by default the weight's site name).
+    then the recipe's ``filter_fn``, given ``name``: by default each name of the weight's
+    site, all of which it must accept).
 
     Example::
 
@@ -57,7 +58,7 @@ def fp8_eligible(recipe: Recipe, device_type: str, x, weight, bias, name=_LOOK_U
     if weight.dim() != 2 or (bias is not None and bias.shape != (weight.shape[0],)):
         return False
     if name is _LOOK_UP:
-        name = recipe.site_name(weight)
+        return recipe._accepts(weight, x.shape, weight.shape)
     return recipe.eligible(name, x.shape, weight.shape)
 
 

@@ -8,41 +8,40 @@ here::
     grad_input    dx = dy @ w       grad_output (e5m2) x weight
     grad_weight   dw = dy.T @ x     grad_output x input
 
-With one scale per tensor the forward's fp8 copies of the input and the weight are what
-the backward saves and reuses (each in the other layout its gemm needs). The bias is added
-to the float32 accumulator before the cast to the region's dtype, and its gradient is
-summed in float32. Gradients come back in the dtypes of the tensors they belong to.
+With one scale per tensor the forward quantizes the input and the weight once and makes,
+besides the layouts its own gemm takes, the transposed layouts the backward's gemms take;
+the backward keeps only those (and only for the gradients that will be asked for). The
+bias, in the region's dtype, is added in the gemm's epilogue to the float32 accumulator,
+and the result comes out in the region's dtype. Gradients come back in the dtypes of the
+tensors they belong to.
+
+A backward run with ``create_graph=True`` (a gradient penalty) is differentiable: its
+gradients are an autograd Function (``_double_backward.py``) whose own backward runs in
+float32.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
 from .. import _torch_compat
 
+from . import _double_backward, _replay
+from ._gemms import Meta, first_order_grads, mm
+from ._quantize import quantize, quantize_bias, quantize_weight
 from .recipes import Recipe
 
 __all__ = ["fp8_linear"]
 
-_float32 = torch.float32
-_scaled_mm = torch._scaled_mm
 
-
-def _transposed(q: torch.Tensor, q_t: torch.Tensor | None) -> torch.Tensor:
-    # q.t().contiguous(): made with q by the cast kernel on CUDA, else here.
-    return q.t().contiguous() if q_t is None else q_t
-
-
-def _mm(a: torch.Tensor, b_rows: torch.Tensor, a_inv, b_inv, out_dtype) -> torch.Tensor:
-    """``a @ b_rows.T`` for fp8 ``a`` (M, K) and ``b_rows`` (N, K), both laid out along K.
-
-    cuBLAS takes the first operand row-major and the second column-major, and so do
-    torch.compile's lowerings: ``b_rows.T`` of a contiguous ``b_rows`` is exactly that.
-    """
-    if a_inv.numel() > 1 and a.device.type == "cpu" and not _torch_compat.SCALED_MM_ROWWISE_ON_CPU:
-        # The gemm's own rule, written out: dequantize, multiply in float32, cast.
-        return ((a.float() * a_inv) @ (b_rows.float() * b_inv.t()).t()).to(out_dtype)
-    return _scaled_mm(a.contiguous(), b_rows.contiguous().t(), scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype)
+def _native_off(device_type: str):
+    # Device types without autocast (meta tensors: benchmarks/fp8_kernel_count.py) have
+    # nothing to switch off.
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -53,66 +52,34 @@ class _Fp8Linear(torch.autograd.Function):
     # region (a backward called inside torch.autocast, say) _scaled_mm's inner matmul
     # would be cast again.
     @staticmethod
-    def forward(ctx, x, weight, bias, xq, x_inv, xq_t, wq, w_inv, wq_t, recipe: Recipe, site,
+    def forward(ctx, x, weight, bias, xq, xq_t, x_sc, wq, wq_t, w_sc, bias_lo, recipe: Recipe, site,
                 out_dtype: torch.dtype):
-        with torch.autocast(x.device.type, enabled=False):
-            y = _mm(xq, wq, x_inv, w_inv.t() if recipe.rowwise else w_inv,
-                    out_dtype if bias is None else _float32)
-            if bias is not None:
-                y = (y + bias.to(_float32)).to(out_dtype)
+        with _native_off(x.device.type):
+            if recipe.rowwise:
+                y = mm(xq, wq, x_sc, w_sc.t(), out_dtype, bias_lo)
+            else:
+                y = mm(xq, wq, x_sc[1], w_sc[1], out_dtype, bias_lo)
         if recipe.rowwise:
             # The backward contracts along other dimensions: it quantizes again from these.
             ctx.save_for_backward(x.reshape(-1, weight.shape[1]), weight)
         else:
-            ctx.save_for_backward(xq, wq, x_inv, w_inv, xq_t, wq_t)
-        ctx.recipe, ctx.site, ctx.out_dtype = recipe, site, out_dtype
-        ctx.x_shape, ctx.x_dtype, ctx.weight_dtype = x.shape, x.dtype, weight.dtype
-        ctx.bias_dtype = None if bias is None else bias.dtype
+            # Only the layouts the backward's gemms take (see fp8_linear), and the weight
+            # itself (a parameter: saving it costs nothing) for a backward of the backward.
+            ctx.save_for_backward(xq_t, x_sc, wq_t, w_sc, weight)
+        meta = Meta(recipe, site, out_dtype, x.shape, x.dtype, weight.dtype,
+                                     None if bias is None else bias.dtype)
+        ctx.meta = meta
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
-        with torch.autocast(dy.device.type, enabled=False):
-            return _Fp8Linear._backward(ctx, dy)
-
-    @staticmethod
-    def _backward(ctx, dy):
-        recipe, site = ctx.recipe, ctx.site
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        dx = dw = db = None
-        fmt = recipe.grad_format
-        if recipe.rowwise:
-            x2, weight = ctx.saved_tensors
-            w_dtype = ctx.weight_dtype
-            if need_x:
-                dyq, dy_inv, _ = recipe._quantize(dy2, "grad_output", fmt, site, True)
-                wtq, wt_inv, _ = recipe._quantize(weight.t(), "weight", recipe.forward_format, None, False)
-                dx = _mm(dyq, wtq, dy_inv, wt_inv.t(), ctx.x_dtype)
-            if need_w:
-                if recipe.weight_grad_high_precision:
-                    low = ctx.out_dtype
-                    dw = torch.mm(dy2.t().to(low), x2.to(low)).to(w_dtype)
-                else:
-                    dytq, dyt_inv, _ = recipe._quantize(dy2.t(), "grad_output", fmt, site, not need_x)
-                    xtq, xt_inv, _ = recipe._quantize(x2.t(), "input", recipe.forward_format, None, False)
-                    dw = _mm(dytq, xtq, dyt_inv, xt_inv.t(), w_dtype)
-        else:
-            xq, wq, x_inv, w_inv, xq_t, wq_t = ctx.saved_tensors
-            if need_x or need_w:
-                # dx = dy @ w contracts along N: w.T's rows; dw = dy.T @ x along M: the
-                # rows of dy.T and x.T. Each transposed copy is the cast kernel's (CUDA).
-                dyq, dy_inv, dyq_t = recipe._quantize(dy2, "grad_output", fmt, site, True, transpose=need_w)
-                if need_x:
-                    dx = _mm(dyq, _transposed(wq, wq_t), dy_inv, w_inv, ctx.x_dtype)
-                if need_w:
-                    # grad_weight keeps the weight parameter's dtype (its .grad)
-                    dw = _mm(_transposed(dyq, dyq_t), _transposed(xq, xq_t), dy_inv, x_inv, ctx.weight_dtype)
-        if need_b:
-            db = dy2.to(_float32).sum(0).to(ctx.bias_dtype)
-        if dx is not None:
-            dx = dx.reshape(ctx.x_shape)
-        return dx, dw, db, None, None, None, None, None, None, None, None, None
+        with _native_off(dy.device.type):
+            needs = ctx.needs_input_grad[:3]
+            if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable
+                dx, dw, db = _double_backward.differentiable_grads(ctx.meta, dy, ctx.saved_tensors, needs)
+            else:
+                dx, dw, db = first_order_grads(ctx.meta, dy, ctx.saved_tensors, needs)
+        return dx, dw, db, None, None, None, None, None, None, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe,
@@ -134,15 +101,26 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if site is not None:
         recipe._prepare(site, x.device)
     x2 = x.reshape(-1, weight.shape[1])
-    record = phase != "recompute"
     fmt = recipe.forward_format
-    x_scale, w_scale = recipe._forward_scales(site, x2, weight, phase) if site is not None else (None, None)
-    # The transposed copies serve the backward's gemms (the weight's for grad_input, the
-    # input's for grad_weight); made only when that gradient will be asked for.
+    # The backward's gemms take the weight transposed (grad_input) and the input
+    # transposed (grad_weight): made here, from the same read, only for the gradients
+    # that will be asked for.
     grad = torch.is_grad_enabled()
-    xq, x_inv, xq_t = recipe._quantize(x2, "input", fmt, site, record, x_scale, transpose=grad and weight.requires_grad)
-    wq, w_inv, wq_t = recipe._quantize(weight, "weight", fmt, site, record, w_scale, transpose=grad and x.requires_grad)
-    return _Fp8Linear.apply(x, weight, bias, xq, x_inv, xq_t, wq, w_inv, wq_t, recipe, site, out_dtype)
+    need_dx, need_dw = grad and x.requires_grad, grad and weight.requires_grad
+    if recipe.rowwise:
+        record = phase != "recompute"
+        xq, x_sc = recipe._quantize_rows(x2, "input", fmt, site, record)
+        wq, w_sc = recipe._quantize_rows(weight, "weight", fmt, site, record)
+        xq_t = wq_t = None
+    else:
+        (x_scale, w_scale), record, key = (recipe._forward_scales(site, phase) if site is not None
+                                           else ((None, None), phase != "recompute", None))
+        xq, xq_t, x_sc, _ = quantize(recipe, x2, "input", fmt, site, record, x_scale, need_qt=need_dw)
+        wq, wq_t, w_sc = quantize_weight(recipe, weight, fmt, site, record, w_scale, need_qt=need_dx)
+        if key is not None:  # checkpointed: its recomputation replays these
+            _replay.remember(key, site, (x_sc[0], w_sc[0]))
+    bias_lo = quantize_bias(site, bias, out_dtype)
+    return _Fp8Linear.apply(x, weight, bias, xq, xq_t, x_sc, wq, wq_t, w_sc, bias_lo, recipe, site, out_dtype)
 
 
 _torch_compat.keep_out_of_dynamo(globals(), __name__)

@@ -12,9 +12,11 @@ import torch
 
 from .. import _torch_compat
 from ..kernels import fp8_cast as _kernels
+from ..kernels import fp8_scale as _scale_kernels
+from ..kernels.fp8_scale import FLOAT32_MAX, floor_power_of_two
 
 __all__ = ["FORMATS", "fp8_max", "check_format", "amax", "scale_from_amax", "cast", "cast_with_amax",
-           "cast_transpose", "kernels_in_use"]
+           "cast_transpose", "kernels_in_use", "floor_power_of_two", "FLOAT32_MAX", "bias_grad"]
 
 # The largest finite value of each format.
 FORMATS: dict[torch.dtype, float] = {dt: _kernels.fp8_max(dt) for dt in (torch.float8_e4m3fn, torch.float8_e5m2)}
@@ -56,9 +58,14 @@ def check_format(fp8_dtype, what: str) -> torch.dtype:
 
 def amax(t: torch.Tensor, rowwise: bool = False) -> torch.Tensor:
     """``max|t|`` in float32: a 0-d tensor, or one per row (shape ``(rows, 1)``) with
-    ``rowwise``. A nan anywhere gives nan (torch's amax propagates it)."""
-    a = t.detach().to(_float32).abs()
-    return a.amax(dim=-1, keepdim=True) if rowwise else a.amax()
+    ``rowwise``. A nan anywhere gives nan (torch's amax propagates it).
+
+    ``|t|`` is exact in ``t``'s own dtype, so the maximum is taken there and only the
+    result is widened: no float32 copy of ``t`` is made.
+    """
+    a = t.detach().abs()
+    a = a.amax(dim=-1, keepdim=True) if rowwise else a.amax()
+    return a.to(_float32)
 
 
 def scale_from_amax(
@@ -66,17 +73,21 @@ def scale_from_amax(
 ) -> torch.Tensor:
     """``scale = fp8_max / amax / 2**margin`` in float32, elementwise; an amax of 0 gives 1.
 
-    With ``power_of_two`` the scale is rounded down to a power of two
-    (``2**floor(log2(scale))``), so that multiplying by it is exact. An inf amax gives a
-    scale of 0 and a nan amax a nan scale: the cast then turns every value into 0 or nan
-    and the gemm's result is nan, so a non-finite input is never hidden.
+    The scale is clamped to float32's largest finite value (an amax below about
+    ``fp8_max / 3.4e38`` would make it inf, and ``0 * inf`` is nan). With
+    ``power_of_two`` it is then rounded down to a power of two by clearing its mantissa
+    bits (exact, unlike ``exp2(floor(log2(s)))``, which can round up just below a power
+    of two), so that multiplying by it is exact. An inf amax gives a scale of 0 and a nan
+    amax a nan scale: the cast then turns every value into 0 or nan and the gemm's result
+    is nan, so a non-finite input is never hidden. (``kernels/fp8_scale.py`` states the
+    rule; this is it for an fp8 format.)
+
+    Example::
+
+        >>> scale_from_amax(torch.tensor(2.0), torch.float8_e4m3fn)
+        tensor(224.)
     """
-    scale = torch.full_like(amax_, FORMATS[fp8_dtype], dtype=_float32) / amax_
-    if margin:
-        scale = scale / (2.0 ** margin)
-    if power_of_two:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
-    return torch.where(amax_ == 0, torch.ones_like(scale), scale)
+    return _scale_kernels.scale_from_amax_reference(amax_, FORMATS[fp8_dtype], margin, power_of_two)
 
 
 def cast(t: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,6 +105,15 @@ def cast(t: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[
     saturated = (finite & (y.abs() > SATURATES_ABOVE[fp8_dtype])).sum()
     q = torch.where(finite, y.clamp(-limit, limit), torch.full_like(y, float("nan"))).to(fp8_dtype)
     return q, saturated
+
+
+def bias_grad(dy2: torch.Tensor) -> torch.Tensor:
+    """The bias gradient of a linear from its 2-D ``grad_output``: column sums in float32,
+    in the fixed order of ``kernels/fp8_cast.py`` (blocks of 64 rows, each a pairwise tree,
+    added in order), so that the kernel and the torch rule agree bit for bit."""
+    if kernels_in_use(dy2):
+        return _kernels.bias_grad(dy2.contiguous(), backend="triton")
+    return _kernels.bias_grad_reference(dy2)
 
 
 def _backend() -> str:

@@ -21,6 +21,7 @@ What it changes on that Accelerator object (no class, no module is touched):
   test (``mixed_precision == "fp16"`` with native AMP) would skip the unscale, such as
   float16 on CPU.
 * ``native_amp`` is set False so that accelerate's own ``torch.autocast`` stays out.
+* an fp8 recipe is registered for checkpointing: ``save_state``/``load_state`` keep its state.
 
 Importing this module imports ``accelerate``.
 """
@@ -262,6 +263,8 @@ def install_amp(
     accelerator.autocast = hooks.autocast
     accelerator.unscale_gradients = hooks.unscale_gradients
     accelerator.dispatch_amp = hooks
+    if fp8 is not None:
+        accelerator.register_for_checkpointing(fp8)
     return hooks
 
 

@@ -14,7 +14,10 @@ unscales first; only the autocast (``fabric.autocast()`` and the forward of modu
 
 Checkpoints: Fabric saves only what you put in the state, so save the plugin's state
 (``fabric.strategy.precision.state_dict()``, the scaler's state dict) there; it has the same
-keys as with Fabric's plugin and loads into either.
+keys as with Fabric's plugin and loads into either. An fp8 recipe's state needs nothing:
+it rides in the state dict of the model ``fabric.setup`` gave the plugin, as the entry
+``"_dispatch_amp_fp8_state"``, which ``fabric.load`` puts back (load such a state dict into
+a model outside Fabric with ``strict=False``, or drop that entry).
 
 :class:`HalfPrecision` does the same for ``"16-true"`` / ``"bf16-true"`` (weights in 16 bits),
 with our opt levels' options (float32 batch norms, float32 master weights and a loss
@@ -40,6 +43,7 @@ from lightning.fabric.plugins.precision import MixedPrecision as _FabricMixedPre
 from lightning.fabric.plugins.precision import Precision as _FabricPrecision
 
 from ..autocast import autocast
+from . import _fp8_state
 from ._half import LevelPrecision, grads_to_masters, swap_masters_into
 from ._modes import PolicyPrecision
 from ._precision_flags import refuse_missing_device, route
@@ -81,6 +85,12 @@ class MixedPrecision(PolicyPrecision, _FabricMixedPrecision):
     def _region(self) -> autocast:
         return autocast(self.device, self._desired_input_dtype, policy=self.policy, fp8=self.fp8)
 
+    def convert_module(self, module):
+        """Fabric's conversion; the module's state dict then carries the fp8 recipe's state."""
+        module = super().convert_module(module)
+        _fp8_state.carry_in_state_dict(module, self.fp8)
+        return module
+
 
 class HalfPrecision(LevelPrecision, _FabricHalfPrecision):
     """Lightning Fabric plugin for ``"16-true"`` / ``"bf16-true"``, carried by an opt level.
@@ -116,6 +126,12 @@ class HalfPrecision(LevelPrecision, _FabricHalfPrecision):
     def forward_context(self):
         """Fabric's default-dtype switch, inside ``dispatch_amp.autocast`` when the level patches."""
         return self._level_forward(super().forward_context())
+
+    def convert_module(self, module):
+        """The level's cast; the module's state dict then carries the fp8 recipe's state."""
+        module = super().convert_module(module)
+        _fp8_state.carry_in_state_dict(module, self.fp8)
+        return module
 
     def backward(self, tensor, model, *args, **kwargs) -> None:
         """Backward of the loss times the loss scale, when the level has one."""

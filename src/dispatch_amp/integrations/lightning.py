@@ -24,7 +24,9 @@ unchanged; only the autocast is ours, and for ``"16-mixed"`` the default scaler.
 
 Checkpoints: Lightning files a plugin's state under the plugin class's name. This plugin
 files and reads its scaler state under the name Lightning's own plugin uses, also from a
-subclass, so a checkpoint moves between the two with its loss scale kept.
+subclass, so a checkpoint moves between the two with its loss scale kept. An fp8 recipe's
+state goes in the same checkpoint under ``"dispatch_amp_fp8"`` (both plugins), and a
+resumed fit continues it.
 
 Importing this module imports ``lightning``.
 """
@@ -41,6 +43,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision as _LightningMixe
 from lightning.pytorch.plugins.precision import Precision as _LightningPrecision
 
 from ..autocast import autocast
+from . import _fp8_state
 from ._half import LevelPrecision, grads_to_masters, swap_masters_into
 from ._modes import PolicyPrecision, precision_dtype
 from ._precision_flags import as_list, refuse_missing_device, route
@@ -104,6 +107,7 @@ class MixedPrecision(PolicyPrecision, _LightningMixedPrecision):
         own = type(self).__qualname__
         if own != STOCK_CHECKPOINT_KEY and own in checkpoint:
             checkpoint[STOCK_CHECKPOINT_KEY] = checkpoint.pop(own)
+        _fp8_state.save_into(checkpoint, self.fp8)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Loads the scaler state filed under the stock plugin's name (Lightning reads only ours).
@@ -120,6 +124,7 @@ class MixedPrecision(PolicyPrecision, _LightningMixedPrecision):
         own = type(self).__qualname__
         if own != STOCK_CHECKPOINT_KEY and own not in checkpoint and STOCK_CHECKPOINT_KEY in checkpoint:
             self.load_state_dict(checkpoint[STOCK_CHECKPOINT_KEY])
+        _fp8_state.load_from(checkpoint, self.fp8)
 
 
 class HalfPrecision(LevelPrecision, _LightningHalfPrecision):
@@ -155,6 +160,16 @@ class HalfPrecision(LevelPrecision, _LightningHalfPrecision):
     def forward_context(self):
         """Lightning's default-dtype switch, inside ``dispatch_amp.autocast`` when the level patches."""
         return self._level_forward(super().forward_context())
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Files the fp8 recipe's state in the checkpoint (``"dispatch_amp_fp8"``)."""
+        super().on_save_checkpoint(checkpoint)
+        _fp8_state.save_into(checkpoint, self.fp8)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Restores the fp8 recipe's state, if the checkpoint has one."""
+        super().on_load_checkpoint(checkpoint)
+        _fp8_state.load_from(checkpoint, self.fp8)
 
     def connect(self, model, optimizers, lr_schedulers):
         """Puts the float32 masters into the optimizers (made after the model was cast)."""

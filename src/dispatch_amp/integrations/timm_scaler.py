@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..grad_scaler import GradScaler
+from . import _fp8_state
 
 __all__ = ["NativeScaler"]
 
@@ -89,9 +90,12 @@ class NativeScaler:
             ``torch.cuda.is_available()``, else ``"cpu"``. An explicit ``"cuda"`` without
             CUDA gives torch's reaction: a warning and a disabled scaler. timm's positional
             ``NativeScaler("cpu")`` is read as ``device="cpu"``.
+        fp8: the fp8 recipe the loop's autocast uses, if any: its state then travels in this
+            scaler's state dict (timm's script saves and resumes it with no change).
 
     ``state_dict_key`` (``"amp_scaler"``) is the checkpoint key timm's training script files
-    the scaler's state under; ``state_dict``/``load_state_dict`` are the GradScaler's.
+    the scaler's state under; ``state_dict``/``load_state_dict`` are the GradScaler's, plus
+    the fp8 recipe's under ``"dispatch_amp_fp8"`` when there is one.
 
     Example::
 
@@ -106,7 +110,7 @@ class NativeScaler:
 
     state_dict_key = "amp_scaler"
 
-    def __init__(self, scaler: Any = None, device: str | torch.device | None = None) -> None:
+    def __init__(self, scaler: Any = None, device: str | torch.device | None = None, *, fp8: Any = None) -> None:
         if isinstance(scaler, (str, torch.device)):
             # timm's signature is NativeScaler(device="cuda"): its first positional argument
             # is the device, ours the scaler.
@@ -126,6 +130,7 @@ class NativeScaler:
             device = _default_device() if device is None else torch.device(device).type
             scaler = GradScaler(device)
         self._scaler = scaler
+        self.fp8 = fp8
 
     @property
     def scaler(self) -> Any:
@@ -184,14 +189,16 @@ class NativeScaler:
         self._scaler.update()
 
     def state_dict(self) -> dict[str, Any]:
-        """The GradScaler's state (loads into timm's NativeScaler too).
+        """The GradScaler's state (loads into timm's NativeScaler too), and the fp8 recipe's.
 
         Example::
 
             >>> sorted(NativeScaler(device="cpu").state_dict())[:2]
             ['_growth_tracker', '_hysteresis_tracker']
         """
-        return self._scaler.state_dict()
+        state = self._scaler.state_dict()
+        _fp8_state.save_into(state, self.fp8)
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state from ``state_dict()``, ours or timm's (torch's GradScaler format).
@@ -202,4 +209,8 @@ class NativeScaler:
             >>> b.load_state_dict(a.state_dict()); b.scaler.get_scale()
             8.0
         """
+        state_dict = dict(state_dict)
+        fp8_state = state_dict.pop(_fp8_state.CHECKPOINT_KEY, None)
+        if fp8_state is not None and self.fp8 is not None:
+            self.fp8.load_state_dict(fp8_state)  # first: a bad recipe state leaves the scaler as it was
         self._scaler.load_state_dict(state_dict)

@@ -27,7 +27,8 @@ has none, i.e. ``fp16=True`` on CPU, does the state go to ``AMP_SCALER_NAME``
 (``dispatch_amp_scaler.pt``) instead: the stock Trainer loads ``scaler.pt`` into whatever
 scaler its Accelerator has, so it would fail on that file, while it ignores this one and
 resumes model, optimizer, scheduler and RNG state without the scale (in float32, as it
-trains with ``fp16=True`` on CPU). Ours reads either file.
+trains with ``fp16=True`` on CPU). Ours reads either file. An fp8 recipe's state goes to
+``dispatch_amp_fp8.pt`` beside them, and a resume loads it.
 
 Importing this module imports ``transformers`` and ``accelerate``.
 """
@@ -46,6 +47,7 @@ from transformers.utils import check_torch_load_is_safe
 
 from ..fp8.recipes import Recipe
 from ..policy import Policy
+from . import _fp8_state
 from .accelerate import install_amp
 from .metrics import amp_metrics
 
@@ -161,8 +163,14 @@ class AmpTrainerMixin:
             super()._save_scaler(output_dir)
         elif self.args.should_save:
             torch.save(scaler.state_dict(), os.path.join(output_dir, AMP_SCALER_NAME))
+        if self.amp_fp8 is not None and self.args.should_save:
+            torch.save(self.amp_fp8.state_dict(), os.path.join(output_dir, _fp8_state.FILE_NAME))
 
     def _load_scaler(self, checkpoint: str | None) -> None:
+        fp8_path = os.path.join(checkpoint, _fp8_state.FILE_NAME) if checkpoint is not None else None
+        if self.amp_fp8 is not None and fp8_path is not None and os.path.isfile(fp8_path):
+            check_torch_load_is_safe()
+            self.amp_fp8.load_state_dict(torch.load(fp8_path, weights_only=True))
         path = os.path.join(checkpoint, AMP_SCALER_NAME) if checkpoint is not None else None
         if path is None or not os.path.isfile(path):
             # scaler.pt: written by the stock Trainer, by ours wherever the stock one has a
