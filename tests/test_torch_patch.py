@@ -433,3 +433,10 @@ def test_a_patched_autocast_on_a_missing_device_warns_at_the_callers_line_as_tor
             assert not torch.is_autocast_enabled("cuda")
     assert native[0].filename == caught[0].filename == __file__
     assert len([w for w in caught if "CUDA is not available" in str(w.message)]) == 1
+
+
+def test_a_policy_naming_fp8_ops_without_a_recipe_is_refused_up_front():
+    policy = amp.Policy.for_device("cpu").with_ops(fp8=["linear"])
+    with pytest.raises(ValueError, match="marks \\['aten::linear'\\] as fp8, but no recipe was given"):
+        amp.patch_torch(policy=policy)
+    assert torch.autocast is torch.amp.autocast_mode.autocast  # nothing patched

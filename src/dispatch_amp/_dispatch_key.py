@@ -68,8 +68,8 @@ def _check_key_free() -> None:
             f"casting engine, and {who} loaded in this process uses it"
             + (f" ({len(theirs)} kernels registered there)" if theirs else "")
             + ". Use torch.autocast in this process (dispatch_amp.GradScaler and the other "
-            f"parts work with it), or run dispatch_amp.autocast in a process without that "
-            f"backend."
+            "parts work with it), or run dispatch_amp.autocast in a process without that "
+            "backend."
         )
 
 

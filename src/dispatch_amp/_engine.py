@@ -68,9 +68,9 @@ Note: torch.compile
   autocast state; under a policy of our own a configuration's token is reused across
   processes, so compiles under one skip that cache (inductor's, keyed on the traced aten
   graph with our casts in it, stays on). See ``_compile_hooks``.
-- fp8: the fp8 path runs above the dispatcher (``_Fp8Level`` below, a function mode on
-  torch's stack only while an fp8 region is open), so Dynamo traces it as Python and
-  its state updates become graph.
+- fp8: while Dynamo traces, the fp8 path runs above the dispatcher (``_Fp8Level`` below,
+  a function mode on torch's stack only while an fp8 region is open), so Dynamo traces it
+  as Python and its state updates become graph.
 - A region entered inside a compiled function: under a built-in policy
   ``autocast.__enter__``/``__exit__`` trace as torch.autocast's own enter and exit (the
   region is native autocast with the same dtype and table). Under a policy of our own
@@ -88,22 +88,16 @@ from dataclasses import dataclass
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import _cast_cache, _dispatch_key, _torch_checkpoint, _torch_compat
-from ._casting import context_for
-from ._state import STATE, DeviceContext, ThreadState, inside_native_region
+from . import _cast_cache, _dispatch_key, _torch_compat
+from ._state import STATE, DeviceContext, ThreadState
 from ._tokens import BUILTIN_TOKEN, pin_current, token_for
 from ._tracing_path import trace_call
-from .fp8 import fp8_linear
-from .fp8._eligibility import fp8_eligible, linear_arguments
-from .op_tables import FP8
-from .policy import Policy
 
 _is_compiling = torch.compiler.is_dynamo_compiling
 _functorch_config = torch._functorch.config
 _increment_nesting = torch.autocast_increment_nesting
 _decrement_nesting = torch.autocast_decrement_nesting
 _set_native_enabled = torch.set_autocast_enabled
-_DisableAutocast = torch._C._DisableAutocast
 _PU1 = "privateuseone"
 
 
@@ -415,10 +409,11 @@ def clear_cache() -> None:
 
 # -- fp8 (above the dispatcher) -----------------------------------------------------------
 class _Fp8Level(TorchFunctionMode):
-    """Routes the calls a policy marks fp8 (``F.linear``) to the fp8 path, eagerly and
-    while Dynamo traces (see "Note: torch.compile"); every other call runs as given, and
-    reaches our kernels in the dispatcher. On torch's stack only while a region with an
-    fp8 recipe is open."""
+    """Traces the fp8 path while Dynamo traces (see "Note: torch.compile"): an fp8 call's
+    quantizing, statistics and delayed scaling's history updates must be Python that
+    Dynamo sees. Eagerly it passes every call on: our kernel for ``linear`` takes the fp8
+    calls in the dispatcher (``_fp8_handler.py``), the ones made inside torch's composites
+    too. On torch's stack only while a region with an fp8 recipe is open."""
 
     # The fp8 recipe of the innermost region (None: none there), read by the tracing path;
     # Dynamo guards on it because the tracing path reads it.
@@ -427,50 +422,7 @@ class _Fp8Level(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if _is_compiling():
             return trace_call(self, func, args, kwargs or {})
-        kwargs = kwargs or {}
-        if getattr(func, "__name__", None) != "linear" or self.fp8_recipe is None:
-            return func(*args, **kwargs)
-        st = STATE
-        ctx = st.primary
-        if ctx is None:
-            ctx = context_for(st.active, args, kwargs)
-        if (
-            ctx is None
-            or ctx.fp8 is None
-            or ctx.policy.rules.get("aten::linear") is not FP8
-            or inside_native_region(st)
-        ):
-            return func(*args, **kwargs)
-        return _fp8_call(st, ctx, func, args, kwargs)
-
-
-_graph_task_id = torch._C._current_graph_task_id
-
-
-def _fp8_call(st: ThreadState, ctx: DeviceContext, func, args, kwargs):
-    """A call the policy marks fp8: scaled fp8 gemms under the region's recipe when the
-    call is eligible (``fp8/_eligibility.py``), else the call as given (our kernel for
-    ``linear`` then casts it to the region's dtype)."""
-    _torch_checkpoint.refuse_inside_torch_checkpoint(
-        ctx, st, "linear", FP8, Policy.for_device(ctx.device_type).rules.get("aten::linear")
-    )
-    x, weight, bias = linear_arguments(args, kwargs)
-    recipe = ctx.fp8
-    if not fp8_eligible(recipe, ctx.device_type, x, weight, bias):
-        return func(*args, **kwargs)
-    # A forward call made while a backward runs is activation checkpointing recomputing
-    # the forward; one made under a checkpoint will be recomputed. Recipes with state
-    # replay the first's scales for the second (DelayedScaling); only they need to know
-    # the second, which costs a walk up the stack.
-    if _graph_task_id() != -1:
-        phase = "recompute"
-    elif recipe.stateful and (st.own_checkpoint or _torch_checkpoint.inside_torch_checkpoint()):
-        phase = "checkpointed"
-    else:
-        phase = "forward"
-    # The fp8 path's own ops (quantizing, statistics, _scaled_mm) are not autocast.
-    with _DisableAutocast():
-        return fp8_linear(x, weight, bias, recipe, ctx.dtype, recipe._site(weight), phase)
+        return func(*args, **(kwargs or {}))
 
 
 class _CompileHooks:

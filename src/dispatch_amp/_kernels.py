@@ -94,13 +94,16 @@ def _foreign_context(args, kwargs):
     token = current_token()
     policy, fp8 = Policy.for_device(device_type), None
     if token is not BUILTIN_TOKEN:
-        for ctx in contexts_for(token):
-            if ctx.device_type == device_type:
-                policy, fp8 = ctx.policy, ctx.fp8
-    key = (device_type, torch.get_autocast_dtype(device_type), policy._key, id(fp8), torch.is_autocast_cache_enabled())
-    ctx = _FOREIGN.get(key)
-    if ctx is None or ctx.fp8 is not fp8 or ctx.policy != policy:
-        ctx = _FOREIGN[key] = DeviceContext(device_type, True, key[1], policy, key[4], fp8)
+        for entry_device, entry_policy, entry_fp8 in contexts_for(token):
+            if entry_device == device_type:
+                policy, fp8 = entry_policy, entry_fp8
+    dtype, cache = torch.get_autocast_dtype(device_type), torch.is_autocast_cache_enabled()
+    key = (device_type, dtype, policy._key, cache)
+    ctx = _FOREIGN.get(key) if fp8 is None else None  # contexts with a recipe are not kept
+    if ctx is None:
+        ctx = DeviceContext(device_type, True, dtype, policy, cache, fp8)
+        if fp8 is None:
+            _FOREIGN[key] = ctx
     return ctx
 
 

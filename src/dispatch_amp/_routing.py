@@ -16,23 +16,22 @@ call under our region (see "Note: the engine lives in the dispatcher" in ``_engi
 
 from __future__ import annotations
 
-from torch._ops import OpOverload, OpOverloadPacket
+from torch._ops import OpOverload
 
 import torch
 
 from . import _handlers, _torch_compat
 from ._cudnn_rnn import cudnn_rnn
+from ._fp8_handler import fp8 as fp8_handler
 from ._torch_checkpoint import refusing_torch_checkpoint
 from .op_tables import BANNED, FP8, FP32, FP32_UNLESS_DTYPE, LOWER, PROMOTE, CastKind
 from .policy import Policy, castable, castable_overloads
 
 __all__ = ["Plan", "plan_for"]
 
-# Kinds whose handler does not depend on the op's schema. fp8 is the region's lower
-# precision here: the fp8 path takes its calls above the dispatcher (_engine._Fp8Level),
-# and what reaches a kernel (a call made inside another op, an ineligible one) runs in
-# the region's dtype.
-_SIMPLE = {LOWER: _handlers.lower, FP8: _handlers.lower, FP32: _handlers.fp32,
+# Kinds whose handler does not depend on the op's schema (fp8: only linear may be, its
+# handler takes an eligible call to the fp8 path and casts the others as lower does).
+_SIMPLE = {LOWER: _handlers.lower, FP8: fp8_handler, FP32: _handlers.fp32,
            PROMOTE: _handlers.promote, BANNED: _handlers.banned}
 
 # Ops native autocast handles with a wrapper of their own rather than its kind's.

@@ -56,7 +56,9 @@ class _Tokens:
     # by an interrupt would hang the next region. Two threads adding a configuration at
     # once may spend two tokens on it; either is a correct guard for it.
     def __init__(self):
-        # configuration key -> token, least recently used first; token -> (key, contexts)
+        # configuration key -> token, least recently used first; token -> (key, entries),
+        # an entry (device type, policy, weak reference to the fp8 recipe or None): a token
+        # keeps no recipe alive.
         self.by_key: OrderedDict = OrderedDict()
         self.by_token: dict = {}
         self.pinned: set = set()
@@ -92,7 +94,9 @@ def token_for(active) -> torch.dtype:
         return token
     token = _free_token(tokens)
     tokens.by_key[key] = token
-    tokens.by_token[token] = (key, custom)
+    tokens.by_token[token] = (key, tuple(
+        (ctx.device_type, ctx.policy, None if ctx.fp8 is None else weakref.ref(ctx.fp8)) for ctx in custom
+    ))
     return token
 
 
@@ -117,9 +121,18 @@ def _free_token(tokens: _Tokens) -> torch.dtype:
 
 
 def contexts_for(token: torch.dtype):
-    """The custom contexts whose configuration holds ``token`` (empty for built-in)."""
+    """``(device type, policy, fp8 recipe or None)`` of each context of the configuration
+    that holds ``token`` (empty for built-in policies, or once its recipe is gone)."""
     entry = _TOKENS.by_token.get(token)
-    return () if entry is None else entry[1]
+    if entry is None:
+        return ()
+    found = []
+    for device_type, policy, recipe_ref in entry[1]:
+        recipe = None if recipe_ref is None else recipe_ref()
+        if recipe_ref is not None and recipe is None:
+            return ()
+        found.append((device_type, policy, recipe))
+    return tuple(found)
 
 
 def current_token() -> torch.dtype:

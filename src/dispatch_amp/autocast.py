@@ -26,7 +26,7 @@ import torch
 from . import _engine, _torch_compat
 from .fp8._rules import ALL_FP8_DTYPES as _FP8_DTYPES
 from .fp8.recipes import Recipe
-from .op_tables import FP8, FP8_OPS
+from .op_tables import FP8
 from .policy import Policy, policy_with_fp8_ops
 from .warning_types import CompileFallbackWarning
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 import torch.utils.checkpoint
 
 from . import _engine
@@ -62,13 +63,17 @@ def checkpoint(function, *args, use_reentrant: bool | None = None, **kwargs):
     @functools.wraps(function)
     def rerun_under_forward_state(*inner_args, **inner_kwargs):
         # The first call is the forward itself, inside the caller's context; later calls
-        # are recomputations during backward, where the caller's context is closed.
-        # The function runs marked as ours: the engine's refusal of torch's checkpoint
-        # under a policy that is not native's does not apply to this one.
+        # are recomputations during backward, where the caller's context is usually
+        # closed, and where torch runs the recomputation with its function-mode stack
+        # emptied even inside it: reopening the recorded regions puts back what an fp8
+        # region needs there (its fp8 level). The function runs marked as ours: the
+        # engine's refusal of torch's checkpoint under a policy that is not native's
+        # does not apply to this one.
         state = _engine.STATE
         state.own_checkpoint += 1
         try:
-            if _engine.current_frame() == frame:
+            recomputing = torch._C._current_graph_task_id() != -1
+            if _engine.current_frame() == frame and not recomputing:
                 return function(*inner_args, **inner_kwargs)
             with _reopen(frame):
                 return function(*inner_args, **inner_kwargs)

@@ -52,7 +52,7 @@ import weakref
 import torch
 import torch.amp.autocast_mode
 
-from .autocast import _usable, autocast
+from .autocast import _usable, _with_fp8, autocast
 from .grad_scaler import GradScaler as _OurGradScaler
 from .fp8.recipes import Recipe
 from .policy import BUILTIN_DEVICES, Policy
@@ -308,6 +308,9 @@ class TorchPatch:
             raise TypeError(f"policy must be a dispatch_amp.Policy or None, got {type(policy).__name__}")
         if fp8 is not None and not isinstance(fp8, Recipe):
             raise TypeError(f"fp8 must be a dispatch_amp.fp8 recipe or None, got {type(fp8).__name__}")
+        if policy is not None and fp8 is None:
+            # Refused here, as autocast refuses it, not at the user's first torch.autocast.
+            _with_fp8(policy, None)
         self.policy = policy
         self.fp8 = fp8
         self._saved: list[tuple[object, str, object]] | None = None

@@ -138,3 +138,24 @@ def test_copies_and_pickles_of_the_model_carry_no_fp8_state():
     for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model)), torch.load(buffer, weights_only=False)):
         assert recipe.site_name(other[0].weight) is None
         assert recipe.site_name(model[0].weight) == "0"
+
+
+@pytest.mark.parametrize("recipe_name", ["current", "delayed"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_a_backward_inside_the_region_recomputes_through_the_fp8_path(recipe_name, reentrant):
+    # torch recomputes a checkpointed block during the backward with its function-mode
+    # stack emptied; amp.checkpoint reopens the region there, so the recomputed linears
+    # take the fp8 path as the forward's did (and save the same tensors).
+    outside = _steps("amp", recipe_name, reentrant)
+    model = _model()
+    recipe = RECIPES[recipe_name]().bind(model)
+    x = X.clone().requires_grad_(True)
+    inside = []
+    for _ in range(3):
+        with amp.autocast("cpu", dtype=torch.bfloat16, fp8=recipe):
+            y = amp.checkpoint(model, x, use_reentrant=reentrant)
+            y.float().pow(2).mean().backward()
+        inside.append((y.detach(), [p.grad.clone() for p in model.parameters()], x.grad.clone()))
+        model.zero_grad()
+        x.grad = None
+    _same(outside, (inside, recipe.state_dict()))

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import _torch_compat
-from ..kernels import fp8_amax, fp8_cast, fp8_scale
+from ..kernels import fp8_amax, fp8_cast
 from ..kernels.fp8_scale import F_INIT, F_SCALE, I_ACC_SATURATED
 from . import _step_hooks
 from ._rules import amax as _amax

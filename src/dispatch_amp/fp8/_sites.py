@@ -21,7 +21,7 @@ from __future__ import annotations
 import collections
 import itertools
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -160,14 +160,12 @@ def _unique(names: Iterable[str]) -> list[str]:
 
 
 class SiteRegistry:
-    """A recipe's sites: by weight (the weight's slot) and by name.
+    """A recipe's sites: by weight (the weight's slot) and by name. It holds nothing of
+    its recipe's, so a recipe no longer referenced is freed at once (its step hook and
+    collectives with it), not when the garbage collector next runs."""
 
-    ``make_roles(device)`` builds a new site's per-role state.
-    """
-
-    def __init__(self, make_roles: Callable[[torch.device], dict[str, RoleState]]) -> None:
+    def __init__(self) -> None:
         self.token = f"recipe-{next(_TOKENS)}"
-        self.make_roles = make_roles
         self.sites: list[Site] = []
         self.by_name: dict[str, Site] = {}
         # The models given to bind(), with their prefixes.

@@ -96,7 +96,7 @@ class Recipe:
             raise TypeError(f"filter_fn must be callable (name, input_shape, weight_shape) -> bool, got {filter_fn!r}")
         self.filter_fn = filter_fn
         self.power_of_two = bool(power_of_two)
-        self._registry = SiteRegistry(self._make_roles)
+        self._registry = SiteRegistry()
 
     # -- sites --------------------------------------------------------------------------
     def bind(self, model: torch.nn.Module, prefix: str = "") -> Recipe:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from lightning.pytorch import Callback
 from lightning.pytorch import Trainer as _LightningTrainer
 from lightning.pytorch.plugins.precision import HalfPrecision as _LightningHalfPrecision
