@@ -369,3 +369,25 @@ def test_no_fallback_warning_where_compiling_was_switched_off():
 
     with pytest.warns(amp.CompileFallbackWarning, match="compile'd forward"):
         torch.compile(Opens(), backend="aot_eager")(torch.randn(4, 8))
+
+
+def test_aotautograds_cache_is_off_while_compiling_under_a_policy_of_our_own_even_after_a_reset():
+    # Its key cannot tell our policies apart (before torch 2.13 it holds no autocast
+    # state but whether any is on), so a compile under one must not read or fill it;
+    # torch._dynamo.reset() drops every compile callback, and the next region installs
+    # ours again. Under native's table the cache stays as the user set it.
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(torch._functorch.config.enable_autograd_cache)
+        return gm
+
+    before = torch._functorch.config.enable_autograd_cache
+    lin = nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    for policy in (KEEP_MM_FP32, None):
+        torch._dynamo.reset()
+        with amp.autocast("cpu", policy=policy):
+            torch.compile(lin, backend=backend)(x)
+    assert seen == [False, before]
+    assert torch._functorch.config.enable_autograd_cache == before

@@ -135,6 +135,7 @@ def enter(ctx: DeviceContext) -> dict[str, DeviceContext]:
     st = STATE
     if ctx.enabled:
         _prepare(ctx)
+        _compile_hooks.install()  # again after torch._dynamo.reset(), which drops callbacks
     changes_backward = ctx.enabled and ctx.custom  # a config read and write cost microseconds
     saved = NativeState.read(
         ctx.device_type, _functorch_config.backward_pass_autocast if changes_backward else None
@@ -171,7 +172,6 @@ def _prepare(ctx: DeviceContext) -> None:
         return
     with _PREPARE_LOCK:
         _dispatch_key.ensure_kernels(plan.registered)
-        _compile_hooks.install()
         _PREPARED.add(plan)
 
 
@@ -430,20 +430,21 @@ class _CompileHooks:
 
     At the start of a compile under a policy of our own: the token in force is recorded
     as one a graph was traced under (``_tokens.pin_current``), and AOTAutograd's cache is
-    switched off until the compile ends (its key cannot tell our configurations apart
-    across processes: "Note: torch.compile"). Both undo nothing of the user's: the cache
-    flag is put back as it was.
+    switched off until the compile ends (its key cannot tell our configurations apart:
+    across processes a token names another configuration, and before torch 2.13 the key
+    holds no autocast state but whether any is on: "Note: torch.compile"). The cache flag
+    is put back as it was.
     """
 
     def __init__(self):
-        self.installed = False
         self.saved_cache_flag = None
 
     def install(self) -> None:
-        if not self.installed:
+        """Registers the callbacks unless they are registered (``torch._dynamo.reset()``
+        drops every callback: each region's entry checks)."""
+        if not _torch_compat.compile_callback_registered(self._start):
             _torch_compat.on_compile_start(self._start)
             _torch_compat.on_compile_end(self._end)
-            self.installed = True
 
     def _start(self, *args) -> None:
         if _dispatch_key.is_on() and pin_current():

@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 from torch._C import DispatchKey
 
-from . import _torch_compat
+from . import _cast_cache, _torch_compat
+from ._cast_cache import _storage_of
 from ._casting import banned_message, cast_one, eligible, map_kwargs, map_tensors, promote_dtype
 
 __all__ = [
@@ -32,7 +33,12 @@ __all__ = [
 ]
 
 _Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
 _float32 = torch.float32
+_CACHE = _cast_cache.CACHE
+_entries = _CACHE.entries  # cleared in place, never replaced
+_cache_on = torch.is_autocast_cache_enabled
+_inference_mode_on = torch.is_inference_mode_enabled
 # Excludes every autocast dispatch key for what runs inside it (ours and native's): the
 # guard native's wrappers take around the ops they call (ExcludeDispatchKeyGuard on
 # AutocastFunctionality).
@@ -52,16 +58,31 @@ def run_without_autocast(op, args, kwargs):
 
 
 def lower(ctx, st, op, keyset, args, kwargs):
-    """Every eligible argument to the region's lower precision (matmuls, convolutions)."""
+    """Every eligible argument to the region's lower precision (matmuls, convolutions).
+
+    The hot path of the engine (every matmul and convolution of a forward): cast_one's
+    first test is inlined (most arguments need no cast at all: already the dtype, or not
+    a tensor), and so is the cache hit of a weight cast earlier in the region, which
+    ``_cast_cache.lookup`` would find after cast_one's other tests.
+    """
     dtype = ctx.dtype
     cast = None
-    for i, a in enumerate(args):
-        # cast_one's first test, inlined: most arguments need no cast at all (already
-        # dtype, or not a tensor), and the rest go through it.
-        if a.__class__ is _Tensor or isinstance(a, _Tensor):
+    i = -1
+    for a in args:
+        i += 1
+        cls = a.__class__
+        if cls is _Tensor or cls is _Parameter or isinstance(a, _Tensor):
             if a.dtype is dtype:
                 continue
-            b = cast_one(a, dtype, ctx, st)
+            hit = _entries.get((id(a), dtype))
+            if (
+                hit is not None and hit[0] is a and hit[1] == a._version
+                and hit[3] == _CACHE.generation and ctx.cache_enabled and _cache_on()
+                and not _inference_mode_on() and hit[2] == _storage_of(a)
+            ):
+                b = hit[5]
+            else:
+                b = cast_one(a, dtype, ctx, st)
         elif isinstance(a, (list, tuple)):
             b = map_tensors((a,), dtype, ctx, st)[0]
         else:

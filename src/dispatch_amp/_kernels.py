@@ -41,6 +41,8 @@ def _to_native(op, args, kwargs):
 def make_kernel(op):
     """The kernel of aten overload ``op`` (see the module docstring)."""
 
+    key = id(op)  # plans key their handlers by it: an int hashes in C, an OpOverload in Python
+
     def kernel(keyset, *args, **kwargs):
         st = STATE
         ctx = st.primary
@@ -53,7 +55,7 @@ def make_kernel(op):
             _increment_nesting()
             if _decrement_nesting() > st.native_depth:
                 return _to_native(op, args, kwargs)
-        handler = ctx.handlers.get(op)
+        handler = ctx.handlers.get(key)
         if handler is None:
             handler = ctx.plan.handler(op)
         return handler(ctx, st, op, keyset, args, kwargs)

@@ -71,8 +71,9 @@ def _fp32_unless_dtype(op: OpOverload):
 class Plan:
     """The handlers of one policy on one device type, memoized per aten overload.
 
-    ``handlers[op]``: the handler the kernel of ``op`` calls (``_handlers.given`` for an
-    op the policy does not cast). ``registered``: the overloads that need a kernel.
+    ``handlers[id(op)]``: the handler the kernel of ``op`` calls (``_handlers.given`` for
+    an op the policy does not cast; keyed by ``id``, which hashes in C, and overloads live
+    as long as torch). ``registered``: the overloads that need a kernel.
 
     Example::
 
@@ -100,9 +101,9 @@ class Plan:
     def handler(self, op: OpOverload):
         """The handler of ``op`` (memoized)."""
         try:
-            return self.handlers[op]
+            return self.handlers[id(op)]
         except KeyError:
-            handler = self.handlers[op] = self._resolve(op)
+            handler = self.handlers[id(op)] = self._resolve(op)
             return handler
 
     def kind(self, op: OpOverload) -> CastKind | None:

@@ -148,6 +148,11 @@ def on_compile_start(callback) -> None:
     _callbacks.register_start_callback(callback)
 
 
+def compile_callback_registered(callback) -> bool:
+    """Whether ``callback`` is among Dynamo's compile-start callbacks."""
+    return any(c is callback or c == callback for c in _callbacks.start_callbacks)
+
+
 def on_compile_end(callback) -> None:
     """Calls ``callback(*args)`` when Dynamo has finished compiling a frame."""
     _callbacks.register_end_callback(callback)

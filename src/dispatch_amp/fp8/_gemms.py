@@ -31,6 +31,20 @@ class Meta:
     bias_dtype: torch.dtype | None
 
 
+def _aligned(scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` itself, or a copy where cuBLAS could not read it: a tensorwise scale is read
+    through a pointer cuBLASLt wants 16-byte aligned, and the inverse scale the quantizers
+    write sits at element 1 of their ``[scale, 1 / scale]`` pair (seen on an H100:
+    CUBLAS_STATUS_NOT_SUPPORTED for every tensorwise gemm given such a view)."""
+    if scale.numel() != 1:
+        return scale
+    if torch.compiler.is_compiling():
+        # Dynamo before torch 2.13 cannot trace storage_offset() here: a copy always (a
+        # 4-byte pointwise kernel the compiler may fuse).
+        return scale.clone()
+    return scale.clone() if scale.storage_offset() % 4 else scale
+
+
 def mm(a: torch.Tensor, b_rows: torch.Tensor, a_inv, b_inv, out_dtype, bias=None) -> torch.Tensor:
     """``a @ b_rows.T (+ bias)`` for fp8 ``a`` (M, K) and ``b_rows`` (N, K), both laid out
     along K; ``bias`` in ``out_dtype`` (or float32) is added to the float32 accumulator.
@@ -43,6 +57,7 @@ def mm(a: torch.Tensor, b_rows: torch.Tensor, a_inv, b_inv, out_dtype, bias=None
         # The gemm's own rule, written out: dequantize, multiply in float32, cast.
         y = (a.float() * a_inv) @ (b_rows.float() * b_inv.t()).t()
         return (y if bias is None else y + bias.to(_float32)).to(out_dtype)
+    a_inv, b_inv = _aligned(a_inv), _aligned(b_inv)
     if bias is not None and out_dtype == _float32:
         y = _scaled_mm(a.contiguous(), b_rows.contiguous().t(), scale_a=a_inv, scale_b=b_inv, out_dtype=_float32)
         return y + bias.to(_float32)

@@ -36,10 +36,17 @@ from .recipes import Recipe
 __all__ = ["fp8_linear"]
 
 
+# The device types autocast knows, read once: Dynamo before torch 2.13 cannot trace
+# torch.amp.is_autocast_available inside an autograd Function (a graph break there).
+_AUTOCAST_DEVICES = frozenset(
+    d for d in ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "ipu") if torch.amp.is_autocast_available(d)
+)
+
+
 def _native_off(device_type: str):
     # Device types without autocast (meta tensors: benchmarks/fp8_kernel_count.py) have
     # nothing to switch off.
-    if torch.amp.is_autocast_available(device_type):
+    if device_type in _AUTOCAST_DEVICES:
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
 

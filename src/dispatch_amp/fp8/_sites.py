@@ -127,7 +127,8 @@ class Site:
         return not any(ref() is not None and _naming.holds(ref(), path, weight) for ref, path, _ in self.origins)
 
     def on(self, device: torch.device) -> bool:
-        return bool(self.roles) and all(r.device == device for r in self.roles.values())
+        # len(), not bool(): Dynamo before torch 2.13 cannot trace bool() of a dict.
+        return len(self.roles) > 0 and all(r.device == device for r in self.roles.values())
 
 
 class _SiteSlot:
