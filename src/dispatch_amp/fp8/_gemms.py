@@ -12,7 +12,7 @@ from .. import _torch_compat
 from ._quantize import quantize
 from ._rules import bias_grad
 
-__all__ = ["Meta", "mm", "first_order_grads"]
+__all__ = ["Meta", "mm", "inverse", "first_order_grads"]
 
 _float32 = torch.float32
 _scaled_mm = torch._scaled_mm
@@ -31,18 +31,21 @@ class Meta:
     bias_dtype: torch.dtype | None
 
 
-def _aligned(scale: torch.Tensor) -> torch.Tensor:
-    """``scale`` itself, or a copy where cuBLAS could not read it: a tensorwise scale is read
-    through a pointer cuBLASLt wants 16-byte aligned, and the inverse scale the quantizers
-    write sits at element 1 of their ``[scale, 1 / scale]`` pair (seen on an H100:
-    CUBLAS_STATUS_NOT_SUPPORTED for every tensorwise gemm given such a view)."""
-    if scale.numel() != 1:
-        return scale
+def inverse(sc: torch.Tensor) -> torch.Tensor:
+    """The inverse scale of a quantizer's ``sc = [scale, 1 / scale]`` pair, as the gemm
+    reads it.
+
+    cuBLASLt reads a tensorwise scale through a pointer it wants 16-byte aligned, and
+    element 1 of the pair is not (seen on an H100: CUBLAS_STATUS_NOT_SUPPORTED for every
+    tensorwise gemm given that view), so eager calls get a copy there. A compiled graph
+    takes ``1 / scale`` from element 0 instead: the same value (the quantizers computed
+    element 1 so), in the form torch.compile's own fp8 recipes hand its scaled-gemm
+    lowerings, which then decide the layout themselves.
+    """
     if torch.compiler.is_compiling():
-        # Dynamo before torch 2.13 cannot trace storage_offset() here: a copy always (a
-        # 4-byte pointwise kernel the compiler may fuse).
-        return scale.clone()
-    return scale.clone() if scale.storage_offset() % 4 else scale
+        return sc[0].reciprocal()
+    inv = sc[1]
+    return inv.clone() if inv.storage_offset() % 4 else inv
 
 
 def mm(a: torch.Tensor, b_rows: torch.Tensor, a_inv, b_inv, out_dtype, bias=None) -> torch.Tensor:
@@ -57,7 +60,6 @@ def mm(a: torch.Tensor, b_rows: torch.Tensor, a_inv, b_inv, out_dtype, bias=None
         # The gemm's own rule, written out: dequantize, multiply in float32, cast.
         y = (a.float() * a_inv) @ (b_rows.float() * b_inv.t()).t()
         return (y if bias is None else y + bias.to(_float32)).to(out_dtype)
-    a_inv, b_inv = _aligned(a_inv), _aligned(b_inv)
     if bias is not None and out_dtype == _float32:
         y = _scaled_mm(a.contiguous(), b_rows.contiguous().t(), scale_a=a_inv, scale_b=b_inv, out_dtype=_float32)
         return y + bias.to(_float32)
@@ -93,10 +95,10 @@ def first_order_grads(meta, dy: torch.Tensor, saved, needs):
         dyq, dyq_t, dy_sc, db = quantize(recipe, dy2, "grad_output", fmt, site, True, need_q=need_x,
                                          need_qt=need_w, dbias=need_b)
         if need_x:
-            dx = mm(dyq, wq_t, dy_sc[1], w_sc[1], meta.x_dtype)
+            dx = mm(dyq, wq_t, inverse(dy_sc), inverse(w_sc), meta.x_dtype)
         if need_w:
             # grad_weight keeps the weight parameter's dtype (its .grad)
-            dw = mm(dyq_t, xq_t, dy_sc[1], x_sc[1], meta.weight_dtype)
+            dw = mm(dyq_t, xq_t, inverse(dy_sc), inverse(x_sc), meta.weight_dtype)
     if need_b:
         db = (bias_grad(dy2) if db is None else db).to(meta.bias_dtype)
     if dx is not None:

@@ -29,7 +29,7 @@ import torch
 from .. import _torch_compat
 
 from . import _double_backward, _replay
-from ._gemms import Meta, first_order_grads, mm
+from ._gemms import Meta, first_order_grads, inverse, mm
 from ._quantize import quantize, quantize_bias, quantize_weight
 from .recipes import Recipe
 
@@ -65,7 +65,7 @@ class _Fp8Linear(torch.autograd.Function):
             if recipe.rowwise:
                 y = mm(xq, wq, x_sc, w_sc.t(), out_dtype, bias_lo)
             else:
-                y = mm(xq, wq, x_sc[1], w_sc[1], out_dtype, bias_lo)
+                y = mm(xq, wq, inverse(x_sc), inverse(w_sc), out_dtype, bias_lo)
         if recipe.rowwise:
             # The backward contracts along other dimensions: it quantizes again from these.
             ctx.save_for_backward(x.reshape(-1, weight.shape[1]), weight)
