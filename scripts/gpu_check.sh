@@ -31,7 +31,8 @@
 # this checkout importable as dispatch_amp: as it already is, else `pip install --no-deps
 # --no-build-isolation --no-index -e .`, else a symlink tree on PYTHONPATH.
 #
-# Output: $OUT/gpu_report.md when OUT is set (else ${REPORT:-gpu_report.md}), dated, with the
+# Output: $OUT/gpu_report.md when OUT is set (gpu_report.2.md, .3.md... when an earlier call
+# left one there; else ${REPORT:-gpu_report.md}), dated, with the
 # GPU, driver, torch, CUDA, Triton and commit; each part's tables as they are measured, then
 # a summary of the parts and every target with its value. Beside it the CSV files (every row
 # of every table; PART.targets.csv) and the logs (each part's stderr, pytest's log and junit
@@ -130,7 +131,11 @@ tmp=$(mktemp -d -t gpu-check-XXXXXX) || exit 2
 trap 'rm -rf "$tmp"' EXIT
 if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT"
+    # A second call in one window writes beside the first (gpu_report.2.md, ...): the
+    # first one's results stay (only the newest call's OUT comes back, with both in it).
     report=$OUT/gpu_report.md
+    n=1
+    while [ -e "$report" ]; do n=$(( n + 1 )); report=$OUT/gpu_report.$n.md; done
 else
     report=${REPORT:-gpu_report.md}
     case $report in /*) ;; *) report=$invoked_from/$report ;; esac  # relative to where it was run
@@ -399,7 +404,7 @@ if [ -n "${OUT:-}" ]; then  # few files come back from OUT: two archives
         size=$(wc -c <"$f")
         [ "$size" -le $(( 15 * 1024 * 1024 )) ] || say "- $(basename "$f") is $size bytes, over what comes back from OUT (16 MiB a file)"
     done
-    say "files: gpu_report.md, gpu_report.csv.tar.gz (every table's rows), gpu_report.logs.tar.gz (logs)"
+    say "files: $(basename "$report"), $(basename "$stem").csv.tar.gz (every table's rows), $(basename "$stem").logs.tar.gz (logs)"
 else
     rm -rf "$stem.csv" "$stem.logs" && cp -r "$csv" "$stem.csv" && cp -r "$logs" "$stem.logs"
     say "files: $(basename "$report"), $(basename "$stem").csv/ (every table's rows), $(basename "$stem").logs/ (logs)"

@@ -84,6 +84,20 @@ def test_a_part_out_of_time_is_reported_and_the_next_part_still_runs(tmp_path):
 
 
 @needs_bash
+def test_a_second_call_in_the_same_out_keeps_the_first_report(tmp_path):
+    out = tmp_path / "out"
+    for _ in range(2):
+        _script(["--dry-run", "--part", "train=3"], tmp_path, OUT=str(out))
+    assert sorted(p.name for p in out.iterdir()) == [
+        "gpu_report.2.csv.tar.gz", "gpu_report.2.logs.tar.gz", "gpu_report.2.md",
+        "gpu_report.csv.tar.gz", "gpu_report.logs.tar.gz", "gpu_report.md",
+    ]
+    for name in ("gpu_report.md", "gpu_report.2.md"):
+        assert "train: TIMED OUT after 3 s" in (out / name).read_text(), name
+    assert "files: gpu_report.2.md, gpu_report.2.csv.tar.gz" in (out / "gpu_report.2.md").read_text()
+
+
+@needs_bash
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the script runs the whole GPU check")
 def test_the_real_check_refuses_a_machine_without_cuda(tmp_path):
     assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
