@@ -131,8 +131,8 @@ tmp=$(mktemp -d -t gpu-check-XXXXXX) || exit 2
 trap 'rm -rf "$tmp"' EXIT
 if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT"
-    # A second call in one window writes beside the first (gpu_report.2.md, ...): the
-    # first one's results stay (only the newest call's OUT comes back, with both in it).
+    # Calls of this script in one device command share OUT: a later one writes beside the
+    # earlier ones (gpu_report.2.md, ...) instead of over them.
     report=$OUT/gpu_report.md
     n=1
     while [ -e "$report" ]; do n=$(( n + 1 )); report=$OUT/gpu_report.$n.md; done
