@@ -70,7 +70,7 @@ def lookup(t: torch.Tensor, dtype: torch.dtype, to):
     else:
         with _enable_grad():
             out = to(t) if to is not None else t.to(dtype)
-    nbytes = out.numel() * out.element_size()
+    nbytes = out.nbytes
     if hit is not None:
         cache.nbytes -= hit[4]
     cache.entries[key] = (t, t._version, _storage_of(t), cache.generation, nbytes, out)

@@ -45,7 +45,7 @@ def context_for(active, args, kwargs):
 
 # Tensor.float()/.half()/.bfloat16() parse their arguments faster than .to(dtype) and
 # record the same cast for autograd.
-_CAST_METHODS = {
+CAST_METHODS = {
     torch.float32: _Tensor.float,
     torch.float16: _Tensor.half,
     torch.bfloat16: _Tensor.bfloat16,
@@ -58,7 +58,7 @@ def cast_one(t: _Tensor, dtype: torch.dtype, ctx, st):
     t_dtype = t.dtype
     if t_dtype is dtype or t_dtype is _float64 or not t.is_floating_point() or not ctx.on_device(t):
         return t
-    to = _CAST_METHODS.get(dtype)
+    to = CAST_METHODS.get(dtype)
     # Native caches lower-precision casts of fp32 leaves that require grad (weights), and
     # makes each such cast with grad mode on, so one cached cast serves no_grad and grad
     # mode alike and has requires_grad=True in both (matmul's path choice reads it).
@@ -68,10 +68,10 @@ def cast_one(t: _Tensor, dtype: torch.dtype, ctx, st):
     # make_fx switches torch's cache flag off, which is read here as native reads it).
     if (
         t.requires_grad
+        and t.is_leaf
         and t_dtype is _float32
         and dtype is ctx.dtype
         and (t.__class__ is _Parameter or t.__class__ is _Tensor)
-        and t.is_leaf
         and not _is_view(t)
         and not t.is_inference()
         and not _inference_mode_on()

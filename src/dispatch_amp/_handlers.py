@@ -25,7 +25,7 @@ from torch._C import DispatchKey
 
 from . import _cast_cache, _torch_compat
 from ._cast_cache import _storage_of
-from ._casting import banned_message, cast_one, eligible, map_kwargs, map_tensors, promote_dtype
+from ._casting import CAST_METHODS, banned_message, cast_one, eligible, map_kwargs, map_tensors, promote_dtype
 
 __all__ = [
     "lower", "fp32", "promote", "given", "banned", "fp32_set_opt_dtype", "fp32_append_dtype",
@@ -35,6 +35,7 @@ __all__ = [
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _float32 = torch.float32
+_float64 = torch.float64
 _CACHE = _cast_cache.CACHE
 _entries = _CACHE.entries  # cleared in place, never replaced
 _cache_on = torch.is_autocast_cache_enabled
@@ -72,17 +73,26 @@ def lower(ctx, st, op, keyset, args, kwargs):
         i += 1
         cls = a.__class__
         if cls is _Tensor or cls is _Parameter or isinstance(a, _Tensor):
-            if a.dtype is dtype:
+            a_dtype = a.dtype
+            if a_dtype is dtype:
                 continue
-            hit = _entries.get((id(a), dtype))
-            if (
-                hit is not None and hit[0] is a and hit[1] == a._version
-                and hit[3] == _CACHE.generation and ctx.cache_enabled and _cache_on()
-                and not _inference_mode_on() and hit[2] == _storage_of(a)
-            ):
-                b = hit[5]
+            if not a.is_leaf:
+                # An activation: never cached (native caches leaves only), so cast_one's
+                # cache tests are skipped; its eligibility rule is the same.
+                if a_dtype is _float64 or not a.is_floating_point() or not ctx.on_device(a):
+                    continue
+                to = CAST_METHODS.get(dtype)
+                b = to(a) if to is not None else a.to(dtype)
             else:
-                b = cast_one(a, dtype, ctx, st)
+                hit = _entries.get((id(a), dtype))
+                if (
+                    hit is not None and hit[0] is a and hit[1] == a._version
+                    and hit[3] == _CACHE.generation and ctx.cache_enabled and _cache_on()
+                    and not _inference_mode_on() and hit[2] == _storage_of(a)
+                ):
+                    b = hit[5]
+                else:
+                    b = cast_one(a, dtype, ctx, st)
         elif isinstance(a, (list, tuple)):
             b = map_tensors((a,), dtype, ctx, st)[0]
         else:
