@@ -1,4 +1,4 @@
-"""An fp8 emulation written from README's rules alone, the oracle of the fp8 tests.
+"""An fp8 emulation written from the rules in docs/fp8.md alone, the oracle of the fp8 tests.
 
 Quantize: ``q = clamp(t.float() * scale, -max, max).to(fmt)``, inf/nan -> nan; dequantize:
 ``q.float() * (1 / scale)``; every gemm is a float32 matmul of dequantized operands, cast
@@ -28,7 +28,7 @@ F32_MAX = torch.finfo(torch.float32).max
 
 
 def scale_of(a, fmt, margin=0, power_of_two=False):
-    """README: max / amax / 2**margin, clamped to float32's largest value, rounded down to
+    """docs/fp8.md: max / amax / 2**margin, clamped to float32's largest value, rounded down to
     a power of two if asked; 1 where amax is 0."""
     s = torch.tensor(MAX[fmt]) / a
     if margin:
@@ -47,7 +47,7 @@ def current_scale(t, fmt, rowwise=False, power_of_two=False):
 
 
 def bias_grad(dy2):
-    """README: dy's column sums in float32, rows in blocks of 64 (the last padded with
+    """docs/fp8.md: dy's column sums in float32, rows in blocks of 64 (the last padded with
     zeros), each block a pairwise tree (row r with row r + 32, then r + 16, ...), the
     blocks' sums added in order from zero."""
     x = dy2.float()
@@ -75,7 +75,7 @@ def linear_forward(x2, w, b, sx, sw, fmt, out_dtype):
 
 
 class DelayedSite:
-    """DelayedScaling's state for one site, per README: histories newest first, scales from
+    """DelayedScaling's state for one site, per docs/fp8.md: histories newest first, scales from
     1; until a role has recorded a positive finite amax, a call scales from its own amax."""
 
     def __init__(self, n=16, algo="max", margin=0):

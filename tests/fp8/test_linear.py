@@ -1,4 +1,4 @@
-"""The fp8 linear, bit for bit against the oracle written from README's rules.
+"""The fp8 linear, bit for bit against the oracle written from the rules in docs/fp8.md.
 
 Every recipe; inputs in float32, bfloat16 and float16; eligible and ineligible shapes;
 with and without bias; 2-D and 3-D inputs; under our regions of each dtype and inside
@@ -35,7 +35,7 @@ def _inputs(x_shape, n, dtype, bias, seed=0):
 
 
 def _expected(oracle, recipe, x, w, b, dy, out_dtype, site=None):
-    """Output and gradients per README's rules for one call."""
+    """Output and gradients per the rules in docs/fp8.md for one call."""
     k = w.shape[1]
     x2, dy2 = x.detach().reshape(-1, k), dy.reshape(-1, w.shape[0]).to(out_dtype)
     w_ = w.detach()

@@ -8,7 +8,7 @@ dtype. No module is swapped: the recipe holds all fp8 state.
 
 Recipes: :class:`CurrentScaling` (per tensor, from each tensor's own amax),
 :class:`DelayedScaling` (per tensor, from an amax history per site) and
-:class:`RowwiseScaling` (one scale per row). README's "fp8" section states every rule.
+:class:`RowwiseScaling` (one scale per row). docs/fp8.md, "The rules", states every rule.
 
 Example::
 

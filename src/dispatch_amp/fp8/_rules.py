@@ -1,7 +1,7 @@
 """The exact fp8 rules: formats, scales from amaxes, the saturating cast.
 
-Every number the fp8 path produces follows from these functions; README's "fp8" section
-states them in words and ``tests/fp8/test_linear.py`` re-implements them from README as
+Every number the fp8 path produces follows from these functions; docs/fp8.md, "The rules",
+states them in words and ``tests/fp8/test_linear.py`` re-implements them from that page as
 its oracle. All arithmetic is float32. Nothing here reads a tensor on the host, so a
 training step makes no device synchronization.
 """
