@@ -142,7 +142,7 @@ class Policy:
         p2.kind_of("mm"), p2.kind_of("conv2d")  # ('fp32', None)
     """
 
-    __slots__ = ("name", "_rules", "_overloads", "_key")
+    __slots__ = ("name", "_rules", "_overloads", "_key", "_by_kind")
 
     def __init__(self, table: Mapping[str, Iterable[OpLike]], *, name: str = "custom"):
         self.name = name
@@ -154,6 +154,11 @@ class Policy:
         # compares keys rather than policies on paths torch.compile traces, where Dynamo
         # before torch 2.13 refuses to call a user class's __hash__.
         self._key = "\n".join(sorted(f"{entry} {kind.value}" for entry, kind in self._entries()))
+        # kind -> its ops, made once: every region asks for the fp8 ones when it is made.
+        by_kind: dict = {}
+        for op_name, kind in rules.items():
+            by_kind.setdefault(kind, set()).add(op_name)
+        self._by_kind = {kind: frozenset(names) for kind, names in by_kind.items()}
 
     @classmethod
     def for_device(cls, device_type: str) -> Policy:
@@ -208,8 +213,7 @@ class Policy:
 
     def ops(self, kind: str) -> frozenset[str]:
         """The qualified names of the ops of one kind."""
-        kind = _cast_kind(kind)
-        return frozenset(name for name, k in self._rules.items() if k is kind)
+        return self._by_kind.get(_cast_kind(kind), frozenset())
 
     def table(self) -> dict[str, tuple[str, ...]]:
         """The policy as a table ``{kind: (op names...)}``, the form the constructor takes
