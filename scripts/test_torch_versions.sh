@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite on each supported torch release, each in a throwaway virtual
-# environment, then one table (Markdown, for README's "Supported torch").
+# environment, then one table (Markdown, for docs/torch-releases.md).
 #
 #   scripts/test_torch_versions.sh                  # 2.11.0 2.12.1 2.13.0 2.14.1 2.15.0
 #   scripts/test_torch_versions.sh 2.12.1 2.15.0    # some of them
@@ -12,7 +12,7 @@
 # unchanged. Environment:
 #   VENV_ROOT    where the environments go (default: a temporary folder, removed at the end)
 #   KEEP_VENVS=1 keep them (to rerun tests in one: VENV_ROOT/<version>/bin/python -m pytest)
-#   PYTEST_ARGS  extra pytest arguments (e.g. "tests/test_policy.py")
+#   PYTEST_ARGS  extra pytest arguments (e.g. "tests/autocast/test_policy.py")
 #   LOG_DIR      where each version's install and pytest logs go (default: VENV_ROOT/logs)
 set -uo pipefail
 cd "$(dirname "$0")/.."

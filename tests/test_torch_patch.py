@@ -292,7 +292,7 @@ def test_torchs_own_objects_pass_isinstance_against_the_patched_names():
         assert isinstance(torch.autocast("cpu"), torch.autocast)
         assert not isinstance(object(), torch.amp.GradScaler)
     # Objects made under the patch are ours: torch's restored classes do not claim them
-    # (README, "Code that calls torch.autocast").
+    # (docs/integrations.md, "Code that calls torch.autocast").
     assert not isinstance(ours, torch.amp.GradScaler)
 
 
