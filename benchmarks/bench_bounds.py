@@ -31,8 +31,6 @@ import argparse
 import contextlib
 import statistics
 import sys
-import time
-import timeit
 from pathlib import Path
 
 import torch
@@ -41,7 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import dispatch_amp as amp  # noqa: E402
 from benchmarks.models import CNN, ResidualMLP  # noqa: E402
+from benchmarks.suites.common import Table  # noqa: E402
 from benchmarks.suites.host_cost import PythonEntries  # noqa: E402
+from benchmarks.timing import interleaved, once  # noqa: E402
 
 CONTEXTS = {
     "native": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
@@ -53,44 +53,35 @@ _WITHOUT_MM = amp.Policy.for_device("cpu").without_ops("mm", name="cpu without m
 
 
 def markdown(title: str, header: list[str], rows: list[list[str]]) -> str:
-    """A titled Markdown table; the first column left-aligned, the others right-aligned."""
-    lines = [f"### {title}", "", "| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
+    """A titled Markdown table (``benchmarks.suites.common.Table``) of preformatted cells."""
+    return Table(title, [(i, h, "{}") for i, h in enumerate(header)], [dict(enumerate(r)) for r in rows]).markdown()
 
 
-def repeated(body, ctx=contextlib.nullcontext):
-    """``run(n)``: seconds for ``n`` calls of ``body`` inside one ``ctx()``."""
+def interleaved_us(fns: dict, number: int, rounds: int, regions: dict | None = None) -> dict:
+    """Median microseconds per call of each fn: ``number`` calls per sample, inside one
+    ``regions[name]()`` where given, rounds interleaved in rotating order after a warm-up
+    sample (``benchmarks.timing``)."""
+    regions = regions or {}
 
-    def run(n):
-        with ctx():
-            return timeit.timeit(body, number=n)
+    def inside(name):
+        return regions[name]() if name in regions else contextlib.nullcontext()
 
-    return run
-
-
-def interleaved_us(fns: dict, number: int, rounds: int) -> dict:
-    """Median microseconds per call of each fn, rounds interleaved in rotating order."""
-    times = {k: [] for k in fns}
-    keys = list(fns)
-    for r in range(rounds):
-        for k in keys[r % len(keys):] + keys[: r % len(keys)]:
-            times[k].append(fns[k](number) / number * 1e6)
-    return {k: statistics.median(v) for k, v in times.items()}
+    s = interleaved(fns, rounds, calls=number, inside=inside)
+    return {k: statistics.median(v) * 1e6 for k, v in s.items()}
 
 
 def per_op(quick: bool) -> str:
     a, b = torch.randn(8, 8), torch.randn(8, 8)
     ab, bb = a.bfloat16(), b.bfloat16()
 
-    fns = {k: repeated(lambda: torch.mm(a, b), ctx) for k, ctx in CONTEXTS.items()}
-    fns["ours, mm run as given (a kernel's floor)"] = repeated(
-        lambda: torch.mm(a, b), lambda: amp.autocast("cpu", dtype=torch.bfloat16, policy=_WITHOUT_MM)
-    )
-    fns["no autocast, fp32 mm"] = repeated(lambda: torch.mm(a, b))
-    fns["t.bfloat16() (one cast from Python)"] = repeated(lambda: a.bfloat16())
-    fns["bf16 mm, inputs already bf16"] = repeated(lambda: torch.mm(ab, bb))
-    got = interleaved_us(fns, 2000 if quick else 20000, 3 if quick else 9)
+    fns = {k: (lambda: torch.mm(a, b)) for k in CONTEXTS}
+    fns["ours, mm run as given (a kernel's floor)"] = lambda: torch.mm(a, b)
+    fns["no autocast, fp32 mm"] = lambda: torch.mm(a, b)
+    fns["t.bfloat16() (one cast from Python)"] = lambda: a.bfloat16()
+    fns["bf16 mm, inputs already bf16"] = lambda: torch.mm(ab, bb)
+    regions = {**CONTEXTS, "ours, mm run as given (a kernel's floor)":
+               lambda: amp.autocast("cpu", dtype=torch.bfloat16, policy=_WITHOUT_MM)}
+    got = interleaved_us(fns, 2000 if quick else 20000, 3 if quick else 9, regions)
     return markdown("per op: torch.mm 8x8 under bf16 autocast (us per call)", ["what", "us"], [[k, f"{v:.2f}"] for k, v in got.items()])
 
 
@@ -101,9 +92,7 @@ def _forward(title: str, model, x, y, quick: bool) -> str:
                 model.loss(x, y)
         return body
 
-    fns = {k: repeated(forward_in(ctx)) for k, ctx in CONTEXTS.items()}
-    for f in fns.values():  # warm-up
-        f(3)
+    fns = {k: forward_in(ctx) for k, ctx in CONTEXTS.items()}
     got = interleaved_us(fns, 1, 15 if quick else 90)
     base = got["native"]
     rows = [[k, f"{v / 1e3:.3f}", f"{(v - base) / 1e3:+.3f}"] for k, v in got.items()]
@@ -128,9 +117,9 @@ def python_casts(quick: bool) -> str:
     act = torch.randn(16, 64, requires_grad=True) * 1  # a non-leaf activation
     plain = torch.randn(16, 64)
     fns = {
-        "weight (Parameter, requires grad).bfloat16()": repeated(lambda: layer.weight.bfloat16()),
-        "activation (requires grad).bfloat16()": repeated(lambda: act.bfloat16()),
-        "plain tensor.bfloat16()": repeated(lambda: plain.bfloat16()),
+        "weight (Parameter, requires grad).bfloat16()": lambda: layer.weight.bfloat16(),
+        "activation (requires grad).bfloat16()": lambda: act.bfloat16(),
+        "plain tensor.bfloat16()": lambda: plain.bfloat16(),
     }
     got = interleaved_us(fns, 2000 if quick else 20000, 3 if quick else 9)
     return markdown("one cast issued from Python (us per call)", ["cast", "us"], [[k, f"{v:.2f}"] for k, v in got.items()])
@@ -163,18 +152,13 @@ def readonly_check(quick: bool) -> str:
     found, one = torch.zeros(()), torch.ones(())
 
     fns = {
-        "torch._amp_foreach_non_finite_check_and_unscale_ (read + write)": repeated(
-            lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
-        ),
-        "torch.aminmax per tensor (read only)": repeated(
-            lambda: found.copy_(torch.stack([torch.stack(torch.aminmax(g)) for g in grads]).isfinite().all().logical_not())
-        ),
-        "torch._foreach_norm(inf) (read only)": repeated(
-            lambda: found.copy_(torch.stack(torch._foreach_norm(grads, float("inf"))).isfinite().all().logical_not())
-        ),
+        "torch._amp_foreach_non_finite_check_and_unscale_ (read + write)":
+            lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one),
+        "torch.aminmax per tensor (read only)":
+            lambda: found.copy_(torch.stack([torch.stack(torch.aminmax(g)) for g in grads]).isfinite().all().logical_not()),
+        "torch._foreach_norm(inf) (read only)":
+            lambda: found.copy_(torch.stack(torch._foreach_norm(grads, float("inf"))).isfinite().all().logical_not()),
     }
-    for f in fns.values():
-        f(1)
     got = interleaved_us(fns, 1, 3 if quick else 9)
     rows = [[k, f"{v / 1e3:.2f}"] for k, v in got.items()]
     return markdown(f"finite check of {n_tensors} x {numel} fp32 gradients on CPU (ms)", ["method", "ms"], rows)
@@ -204,9 +188,7 @@ def cold_small_ops(quick: bool) -> str:
         loss.backward()
         for times in (cold, warm):  # first pass right after the backward, second warm
             for name, op in ops.items():
-                start = time.perf_counter()
-                op()
-                times[name].append(time.perf_counter() - start)
+                times[name].append(once(op))
     skip = 3 if quick else 10
     rows = [[k, f"{statistics.median(cold[k][skip:]) * 1e6:.1f}", f"{statistics.median(warm[k][skip:]) * 1e6:.1f}"] for k in ops]
     return markdown("small ops right after a backward vs warm (us)", ["op", "after backward", "warm"], rows)

@@ -15,14 +15,13 @@ One GPT-style model (benchmarks/models.py), AdamW, one full train step per sampl
 * ``O1``/``O2``/``O3``: ``dispatch_amp.opt_levels.initialize`` at that level, table
   defaults (O1/O2 dynamic loss scale, O3 none), ``scale_loss`` + ``optimizer.step()``.
 
-Time (docs/design.md, "Performance method"): same process, interleaved in rotating order, warm-up
-first, medians, plus the median of the per-round ratio against ``native``. Memory: each
-configuration in its own subprocess, which reports ``resource.getrusage`` peak RSS after
-setup (model, optimizer, data, one warm-up step: optimizer state and master weights
-exist) and the peak RSS during three more steps (Linux: ``VmHWM`` after resetting it via
-``/proc/self/clear_refs``); the difference is the per-step working set (activations,
-gradients, weight casts). Timings
-are never asserted anywhere.
+Time (docs/design.md, "Performance method"; ``benchmarks/timing.py``): same process,
+interleaved in rotating order, warm-up first, medians, plus the median of the per-round
+ratio against ``native``. Memory: each configuration in its own subprocess, which reports
+the RSS after setup (model, optimizer, data, one warm-up step: optimizer state and master
+weights exist) and the peak RSS during three more steps (``dispatch_amp._peak_rss``: on
+Linux ``VmHWM``, restarted after setup); the difference is the per-step working set
+(activations, gradients, weight casts). Timings are never asserted anywhere.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ import csv
 import json
 import pathlib
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -40,11 +38,13 @@ import time
 
 import torch
 
+from dispatch_amp import _markdown
+from dispatch_amp._peak_rss import peak_rss_mb, reset_peak_rss
 from dispatch_amp.opt_levels import initialize, scale_loss
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout
 from benchmarks import models as M  # noqa: E402
-from benchmarks.suites.common import rotations, status_kb  # noqa: E402
+from benchmarks.timing import interleaved, ratio_stats  # noqa: E402
 
 CONFIGS = ("fp32", "native", "native+scaler", "O1", "O2", "O3")
 
@@ -104,27 +104,18 @@ def make(config: str, quick: bool):
 
 def bench_time(quick: bool):
     rounds = 5 if quick else 11
-    warmup = 2
     steps = {}
     desc = ""
     for c in CONFIGS:
         steps[c], desc = make(c, quick)
-        for _ in range(warmup):
-            steps[c]()
-    samples = {c: [] for c in CONFIGS}
-    for order in rotations(list(CONFIGS), rounds):
-        for c in order:
-            t0 = time.perf_counter()
-            steps[c]()
-            samples[c].append((time.perf_counter() - t0) * 1e3)
+    samples = interleaved(steps, rounds, warmup=2)
     rows = []
     for c in CONFIGS:
-        ratios = [a / b for a, b in zip(samples[c], samples["native"])]
         rows.append({
             "config": c,
-            "ms": statistics.median(samples[c]),
-            "ms_min": min(samples[c]),
-            "over_native": statistics.median(ratios),
+            "ms": statistics.median(samples[c]) * 1e3,
+            "ms_min": min(samples[c]) * 1e3,
+            "over_native": ratio_stats(samples[c], samples["native"])["ratio"],
             "rounds": rounds,
         })
     return desc, rows
@@ -133,20 +124,13 @@ def bench_time(quick: bool):
 def _memory_child(config: str, quick: bool) -> None:
     step, _ = make(config, quick)
     step()  # first step: lazily created optimizer state, scaler, caches
-    # Imports (torch, triton) set a high-water mark above a small model's training; on
-    # Linux, writing 5 to clear_refs resets VmHWM so the peak of the steps alone is seen.
-    setup_kb = status_kb("VmRSS")
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        peak_field = "VmHWM"
-    except OSError:  # not Linux: ru_maxrss, which may still be the import peak
-        peak_field = None
-        setup_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Imports (torch, triton) set a high-water mark above a small model's training: the
+    # peak restarts here (Linux), so that of the steps alone is seen.
+    reset_peak_rss()
+    setup_mb = peak_rss_mb()  # right after the reset: the RSS after setup
     for _ in range(3):
         step()
-    peak_kb = status_kb(peak_field) if peak_field else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"setup_mb": setup_kb / 1024, "peak_mb": peak_kb / 1024}))
+    print(json.dumps({"setup_mb": setup_mb, "peak_mb": peak_rss_mb()}))
 
 
 def bench_memory(quick: bool):
@@ -157,13 +141,6 @@ def bench_memory(quick: bool):
         r = json.loads(out.stdout.strip().splitlines()[-1])
         rows.append({"config": c, **r, "train_mb": r["peak_mb"] - r["setup_mb"]})
     return rows
-
-
-def markdown(rows, columns, headers):
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    for r in rows:
-        lines.append("| " + " | ".join(fmt.format(r[c]) for c, fmt in columns) + " |")
-    return "\n".join(lines)
 
 
 def main(argv=None):
@@ -187,12 +164,10 @@ def main(argv=None):
     print("train step: median ms over rounds (interleaved, rotating order); x native: median of "
           "per-round ratios. Memory (separate process per config): RSS after setup + one step, and the "
           "peak RSS during three more steps minus it.\n")
-    print(markdown(
-        rows,
-        [("config", "{}"), ("ms", "{:.1f}"), ("ms_min", "{:.1f}"), ("over_native", "{:.3f}"),
-         ("peak_mb", "{:.0f}"), ("train_mb", "{:.0f}")],
-        ["config", "ms/step", "min ms", "x native", "peak RSS MB", "step working set MB"],
-    ))
+    columns = [("config", "{}"), ("ms", "{:.1f}"), ("ms_min", "{:.1f}"), ("over_native", "{:.3f}"),
+               ("peak_mb", "{:.0f}"), ("train_mb", "{:.0f}")]
+    print(_markdown.table(["config", "ms/step", "min ms", "x native", "peak RSS MB", "step working set MB"],
+                          [[fmt.format(r[c]) for c, fmt in columns] for r in rows]))
     print(f"\n(total {time.perf_counter() - t_start:.0f} s; rounds: {timing[0]['rounds']})")
     if args.csv:
         with open(args.csv, "w", newline="") as f:

@@ -8,9 +8,11 @@ Providers: ``ours-torch`` (dispatch_amp.kernels.unscale_check_ with backend="tor
 A large copy of the same byte count gives the memory-bandwidth reference. Bytes are 8 per
 fp32 element and 4 per 16-bit element (one read + one write).
 
-On CPU: ``torch.utils.benchmark`` timers, providers interleaved A B A B over several
-rounds, median reported. On a GPU: ``triton.testing.do_bench`` (median, 20th and 80th
-percentiles). Every provider is validated against torch's op before it is timed.
+Timing: ``benchmarks/timing.py`` (docs/design.md, "Performance method"): providers
+interleaved in rotating order over several rounds after a warm-up sample, medians, and
+"speed vs torch" as the median of per-round ratios. On CPU on ``torch.utils.benchmark``'s
+clock; on a GPU on CUDA events (the kernels' device time). Every provider is validated
+against torch's op before it is timed.
 """
 
 from __future__ import annotations
@@ -23,19 +25,29 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.utils.benchmark as tbench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+from benchmarks.timing import interleaved, interleaved_events, once, ratio_stats  # noqa: E402
+
 try:
+    from dispatch_amp import _markdown
+    from dispatch_amp._devices import default_device_type
     from dispatch_amp.kernels import unscale_check_, unscale_check_reference
-except ImportError:  # not installed: load the kernels folder as a package directly
+except ImportError:  # not installed: load the kernels folder and the two helpers from the checkout
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("dispatch_amp_kernels", Path(__file__).resolve().parents[1] / "kernels" / "__init__.py")
-    _k = importlib.util.module_from_spec(spec)
-    sys.modules["dispatch_amp_kernels"] = _k
-    spec.loader.exec_module(_k)
+    def _load(name: str, path: Path):
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        return module
+
+    _root = Path(__file__).resolve().parents[1]
+    _k = _load("dispatch_amp_kernels", _root / "kernels" / "__init__.py")
     unscale_check_, unscale_check_reference = _k.unscale_check_, _k.unscale_check_reference
+    _markdown = _load("dispatch_amp_markdown", _root / "src" / "dispatch_amp" / "_markdown.py")
+    default_device_type = _load("dispatch_amp_devices", _root / "src" / "dispatch_amp" / "_devices.py").default_device_type
 
 # Slightly above 1: the multiply is real (torch skips it for exactly 1.0), and repeated
 # in-place unscaling neither underflows into slow subnormals nor overflows.
@@ -107,39 +119,26 @@ def validate(fn, spec, device, fill) -> None:
         assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)), "values differ from torch"
 
 
-def time_cpu(fns: dict, args: dict, rounds: int, min_run: float) -> dict:
-    """Median seconds per call, providers interleaved A B A B ... over `rounds` rounds."""
-    timers = {
-        name: tbench.Timer(stmt="fn(*a)", globals={"fn": fn, "a": args[name]}, num_threads=torch.get_num_threads())
-        for name, fn in fns.items()
-    }
-    # Calibrate once (also the warm-up), then time each round with a fixed call count.
-    number = {}
-    for name, t in timers.items():
-        per_call = t.blocked_autorange(min_run_time=min_run / 4).median
-        number[name] = max(1, int(min_run / rounds / max(per_call, 1e-9)))
-    samples = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, t in timers.items():
-            samples[name].append(t.timeit(number[name]).mean)
-    return {name: statistics.median(v) for name, v in samples.items()}
+def timed(fns: dict, args: dict, device: str, rounds: int, min_run: float) -> dict[str, list[float]]:
+    """Seconds per call of each provider, one sample per round (``benchmarks.timing``).
 
-
-def time_gpu(fns: dict, args: dict) -> dict:
-    from triton.testing import do_bench
-
-    out = {}
-    for name, fn in fns.items():
-        med, lo, hi = do_bench(lambda: fn(*args[name]), quantiles=[0.5, 0.2, 0.8])
-        out[name] = med / 1e3
-    return out
+    A sample is as many calls as fill ``min_run / rounds`` seconds at the slowest
+    provider's speed, measured by one call each after a first, warming one."""
+    calls = {name: (lambda fn=fn, a=args[name]: fn(*a)) for name, fn in fns.items()}
+    for call in calls.values():
+        call()
+    slowest = max(once(call) for call in calls.values())
+    n = max(1, int(min_run / rounds / max(slowest, 1e-9)))
+    timer = interleaved_events if device == "cuda" else interleaved
+    return timer(calls, rounds, warmup=1, calls=n)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller cases, fewer rounds")
     ap.add_argument("--csv", type=Path, help="also write rows to this CSV file")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default=default_device_type(among=("cuda",)), help="cpu or cuda "
+                    "(default: cuda where there is one)")
     opts = ap.parse_args()
     device = opts.device
     rounds, min_run = (3, 0.1) if opts.quick else (9, 1.0)
@@ -148,11 +147,7 @@ def main() -> None:
     # Bandwidth reference: a large copy (read + write) of 64M fp32 elements.
     n_copy = (256 << 20) if device == "cuda" else (8 << 20) if opts.quick else (64 << 20)
     src, dst = torch.ones(n_copy, device=device), torch.empty(n_copy, device=device)
-    copy_fn = {"copy": lambda: dst.copy_(src)}
-    if device == "cuda":
-        copy_s = time_gpu({"copy": lambda: dst.copy_(src)}, {"copy": ()})["copy"]
-    else:
-        copy_s = time_cpu(copy_fn, {"copy": ()}, rounds, min_run)["copy"]
+    copy_s = statistics.median(timed({"copy": lambda: dst.copy_(src)}, {"copy": ()}, device, rounds, min_run)["copy"])
     copy_gbs = 8 * n_copy / copy_s / 1e9
     del src, dst
 
@@ -166,21 +161,25 @@ def main() -> None:
             for name in fns:  # each provider works on its own copy
                 grads, nbytes = build(spec, device, fill)
                 args[name] = (grads, torch.tensor(INV_SCALE, device=device), torch.zeros((), device=device))
-            times = time_gpu(fns, args) if device == "cuda" else time_cpu(fns, args, rounds, min_run)
-            for name, sec in times.items():
+            samples = timed(fns, args, device, rounds, min_run)
+            for name, s in samples.items():
+                sec = statistics.median(s)
                 rows.append({
                     "device": device, "case": case, "fill": fill, "provider": name,
                     "time_us": sec * 1e6, "gb_s": nbytes / sec / 1e9,
-                    "vs_torch": times["torch"] / sec, "vs_copy": nbytes / sec / 1e9 / copy_gbs,
+                    "vs_torch": ratio_stats(samples["torch"], s)["ratio"], "vs_copy": nbytes / sec / 1e9 / copy_gbs,
                 })
             del args
 
     name = torch.cuda.get_device_name() if device == "cuda" else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
     print(f"\nunscale + check, {device} ({name}); torch {torch.__version__}; large copy {copy_gbs:.1f} GB/s")
-    print("\n| case | fill | provider | time (us) | GB/s | speed vs torch | of copy bandwidth |")
-    print("|---|---|---|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['case']} | {r['fill']} | {r['provider']} | {r['time_us']:.1f} | {r['gb_s']:.1f} | {r['vs_torch']:.2f}x | {100 * r['vs_copy']:.0f}% |")
+    print()
+    print(_markdown.table(
+        ["case", "fill", "provider", "time (us)", "GB/s", "speed vs torch", "of copy bandwidth"],
+        [[r["case"], r["fill"], r["provider"], f"{r['time_us']:.1f}", f"{r['gb_s']:.1f}", f"{r['vs_torch']:.2f}x",
+          f"{100 * r['vs_copy']:.0f}%"] for r in rows],
+        align="lllrrrr",
+    ))
     if opts.csv:
         opts.csv.parent.mkdir(parents=True, exist_ok=True)
         with opts.csv.open("w", newline="") as f:

@@ -23,7 +23,7 @@ import argparse
 import torch
 
 import dispatch_amp
-from dispatch_amp import fp8
+from dispatch_amp import _markdown, fp8
 
 from .suites.fp8 import Decoder, GPTSize
 
@@ -80,13 +80,10 @@ def table(errors: dict) -> str:
     configs = [c for c in errors if c != "zero"]
     calls = len(errors[configs[0]])
     head = ["parameter"] + [f"{c.removeprefix('fp8 ')} call {i + 1}" for c in configs for i in range(calls)]
-    lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
-    for name in errors[configs[0]][0]:
-        cells = [f"{errors[c][i][name]:.3f}" for c in configs for i in range(calls)]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    worst = [f"**{max(errors[c][i].values()):.3f}**" for c in configs for i in range(calls)]
-    lines.append("| **worst** | " + " | ".join(worst) + " |")
-    return "\n".join(lines)
+    rows = [[name] + [f"{errors[c][i][name]:.3f}" for c in configs for i in range(calls)]
+            for name in errors[configs[0]][0]]
+    rows.append(["**worst**"] + [f"**{max(errors[c][i].values()):.3f}**" for c in configs for i in range(calls)])
+    return _markdown.table(head, rows, align="l" + "r" * (len(head) - 1))
 
 
 def main(argv=None) -> None:

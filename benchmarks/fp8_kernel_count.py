@@ -29,7 +29,7 @@ if __name__ == "__main__":  # the interpreter reads this at import; on a GPU not
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dispatch_amp import fp8
+from dispatch_amp import _markdown, fp8
 from dispatch_amp.fp8 import _rules, fp8_linear
 from dispatch_amp.kernels._launch import counting_launches
 
@@ -131,14 +131,13 @@ def count_kernels(recipe_name: str, size: tuple[int, int, int] = FULL_SIZE, devi
 def table(counts: dict) -> str:
     """Markdown: per recipe the kernels in all, the Triton launches and torch operators by
     name, and the host reads."""
-    lines = [f"| recipe | kernels | target | Triton launches | torch operators | host reads |",
-             "|---|---:|---:|---|---|---:|"]
-    for name, c in counts.items():
-        def summary(names):
-            return ", ".join(f"{op} x{k}" if k > 1 else op for op, k in collections.Counter(names).items())
-        lines.append(f"| {name} | {c['kernels']} | <= {TARGET} | {summary(c['triton'])} | {summary(c['torch'])} | "
-                     f"{c['host_reads']} |")
-    return "\n".join(lines)
+    def summary(names):
+        return ", ".join(f"{op} x{k}" if k > 1 else op for op, k in collections.Counter(names).items())
+
+    rows = [[name, c["kernels"], f"<= {TARGET}", summary(c["triton"]), summary(c["torch"]), c["host_reads"]]
+            for name, c in counts.items()]
+    return _markdown.table(["recipe", "kernels", "target", "Triton launches", "torch operators", "host reads"],
+                           rows, align="lrrllr")
 
 
 def main(argv=None) -> None:

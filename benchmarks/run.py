@@ -44,6 +44,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 import torch  # noqa: E402
 
 from benchmarks.suites import common, compile, dispatch_overhead, fp8, host_cost, kernels_static, scaler, train_step  # noqa: E402
+from dispatch_amp._devices import device_available  # noqa: E402
 
 SUITES = {m.NAME: m for m in (train_step, dispatch_overhead, host_cost, scaler, kernels_static, compile, fp8)}
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -100,10 +101,10 @@ def main(argv=None) -> None:
     ap.add_argument("--out", type=Path, help="CSV folder (default benchmarks/results/<machine>)")
     ap.add_argument("--child", nargs="+", metavar="ARG", help=argparse.SUPPRESS)  # suite-internal subprocesses
     opts = ap.parse_args(argv)
-    if opts.device == "cuda" and not torch.cuda.is_available():
+    if opts.device == "cuda" and not device_available("cuda"):
         build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
         ap.error(f"--device cuda: no CUDA GPU is available here (torch {torch.__version__}, {build}; "
-                 "torch.cuda.is_available() is False). Run without --device (CPU) or on a machine with a GPU.")
+                 "torch.accelerator finds no CUDA device). Run without --device (CPU) or on a machine with a GPU.")
 
     if opts.child:
         SUITES[opts.child[0]].child(opts.child[1:], opts)

@@ -387,9 +387,11 @@ done
 # -- summary ------------------------------------------------------------------------------------
 say "## Summary"
 say ""
-say "| part | status | seconds | budget |"
-say "|---|---|---:|---:|"
-for part in "${parts[@]}"; do say "| $part | ${STATUS[$part]} | ${TOOK[$part]} | ${BUDGET[$part]} |"; done
+summary() {  # tab-separated rows, printed by the package's Markdown table helper (standard library only)
+    printf 'part\tstatus\tseconds\tbudget\n'
+    for part in "${parts[@]}"; do printf '%s\t%s\t%s\t%s\n' "$part" "${STATUS[$part]}" "${TOOK[$part]}" "${BUDGET[$part]}"; done
+}
+say "$(summary | "$py" "$repo/src/dispatch_amp/_markdown.py" --align llrr)"
 say ""
 say "whole check: $(( SECONDS - started )) s (total budget $total s)"
 say ""

@@ -31,7 +31,8 @@ fi
 
 seconds_since() { echo $(( $(date +%s) - $1 )); }
 
-rows=()
+rows=()  # one line per release, cells separated by tabs
+tab=$'\t'
 for version in "${versions[@]}"; do
     env_dir=$root/$version
     log=$logs/$version
@@ -43,7 +44,7 @@ for version in "${versions[@]}"; do
 
     start=$(date +%s)
     if ! "$py" -m pip install --quiet "torch==$version" >>"$log.install.log" 2>&1; then
-        rows+=("| $version | - | - | - | - | - | torch did not install (see $log.install.log) |")
+        rows+=("$version${tab}-${tab}-${tab}-${tab}-${tab}-${tab}torch did not install (see $log.install.log)")
         continue
     fi
     torch_s=$(seconds_since "$start")
@@ -54,13 +55,13 @@ for version in "${versions[@]}"; do
     # Pinning the installed build makes "never changes torch" a hard requirement: pip
     # fails rather than replace it.
     if ! "$py" -m pip install --quiet -e "$repo[test]" "torch==$installed" >>"$log.install.log" 2>&1; then
-        rows+=("| $installed | - | - | $torch_s | - | - | the project did not install next to it (see $log.install.log) |")
+        rows+=("$installed${tab}-${tab}-${tab}$torch_s${tab}-${tab}-${tab}the project did not install next to it (see $log.install.log)")
         continue
     fi
     project_s=$(seconds_since "$start")
     after=$("$py" -c 'import importlib.metadata as m; print(m.version("torch"))')
     if [ "$after" != "$installed" ]; then
-        rows+=("| $installed | - | - | $torch_s | $project_s | - | installing the project changed torch to $after |")
+        rows+=("$installed${tab}-${tab}-${tab}$torch_s${tab}$project_s${tab}-${tab}installing the project changed torch to $after")
         continue
     fi
     read -r build triton numpy < <("$py" -c '
@@ -89,12 +90,14 @@ skipped = sum(int(s.get("skipped", 0)) for s in suites)
 print(f"{total - failed - skipped} passed, {failed} failed, {skipped} skipped")
 PY
 )
-    rows+=("| $installed | $build | $triton / $numpy | $torch_s | $project_s | $tests_s | $counts |")
+    rows+=("$installed${tab}$build${tab}$triton / $numpy${tab}$torch_s${tab}$project_s${tab}$tests_s${tab}$counts")
 done
 
 echo
 echo "Run on $(date -u +%Y-%m-%d), $(nproc) CPU cores, Python $(python3 -c 'import platform; print(platform.python_version())')."
 echo
-echo "| torch | build | triton / numpy | install torch (s) | install project (s) | tests (s) | result |"
-echo "|---|---|---|---:|---:|---:|---|"
-printf '%s\n' "${rows[@]}"
+# The package's Markdown table helper prints the rows (standard library only: any python3 runs it).
+{
+    printf 'torch\tbuild\ttriton / numpy\tinstall torch (s)\tinstall project (s)\ttests (s)\tresult\n'
+    printf '%s\n' "${rows[@]}"
+} | python3 "$repo/src/dispatch_amp/_markdown.py" --align lllrrrl

@@ -62,3 +62,25 @@ def test_device_cuda_without_cuda_is_a_clear_error():
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     assert "--device cuda: no CUDA GPU is available here" in res.stderr
     assert "## train-step" not in res.stdout  # nothing ran
+
+
+def test_no_tf32_turns_tf32_off_and_restores_the_settings_before():
+    sys.path.insert(0, str(REPO))
+    try:
+        from benchmarks.suites.common import no_tf32
+    finally:
+        sys.path.remove(str(REPO))
+    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    try:
+        torch.set_float32_matmul_precision("high")  # TF32 allowed in matmuls
+        torch.backends.cudnn.allow_tf32 = True
+        with no_tf32():
+            assert torch.get_float32_matmul_precision() == "highest"
+            assert torch.backends.cuda.matmul.allow_tf32 is False and torch.backends.cudnn.allow_tf32 is False
+        assert torch.get_float32_matmul_precision() == "high" and torch.backends.cudnn.allow_tf32 is True
+        with pytest.raises(RuntimeError, match="inside"), no_tf32():
+            raise RuntimeError("inside")
+        assert torch.get_float32_matmul_precision() == "high" and torch.backends.cudnn.allow_tf32 is True
+    finally:
+        torch.set_float32_matmul_precision(before[0])
+        torch.backends.cudnn.allow_tf32 = before[1]

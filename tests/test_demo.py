@@ -1,27 +1,33 @@
-"""The demo runs end to end in a few seconds with --steps 3."""
+"""The demo runs end to end in a few seconds with --steps 3; it prints each run's row as
+the run finishes, keeps what finished when stopped, and says when ours equals native."""
 
 import pytest
 import torch
 
 from dispatch_amp import demo
 
+SMALL = ["--steps", "3", "--batch", "4", "--seq", "32"]
+
+
+def _outputs(tmp_path) -> list[str]:
+    return ["--plot", str(tmp_path / "demo.png"), "--table", str(tmp_path / "demo.md")]
+
 
 def test_demo_runs_with_three_steps(tmp_path, capsys):
-    png = tmp_path / "demo.png"
-    assert demo.main(["--steps", "3", "--batch", "4", "--seq", "32", "--plot", str(png)]) == 0
+    assert demo.main(SMALL + _outputs(tmp_path)) == 0
     out = capsys.readouterr().out
-    for run in ("fp32", "torch.autocast", "dispatch_amp"):
-        assert f"| {run} |" in out
-    assert "matmul FLOPs in bfloat16" in out
-    assert png.stat().st_size > 0
+    table = (tmp_path / "demo.md").read_text()
+    for run in demo.RUNS:
+        assert f"| {run} |" in out and f"| {run} |" in table
+    assert "matmul FLOPs in bfloat16" in out and "matmul FLOPs in bfloat16" in table
+    assert (tmp_path / "demo.png").stat().st_size > 0
 
 
 def test_demo_float16_uses_the_scaler_and_reports_skips(tmp_path, capsys):
-    png = tmp_path / "fp16.png"
-    args = ["--steps", "2", "--batch", "2", "--seq", "16", "--dtype", "float16", "--plot", str(png)]
+    args = ["--steps", "2", "--batch", "2", "--seq", "16", "--dtype", "float16"] + _outputs(tmp_path)
     assert demo.main(args) == 0
     out = capsys.readouterr().out
-    assert "matmul FLOPs in float16" in out and png.stat().st_size > 0
+    assert "matmul FLOPs in float16" in out and (tmp_path / "demo.png").stat().st_size > 0
 
 
 def test_demo_rejects_bad_options():
@@ -29,6 +35,95 @@ def test_demo_rejects_bad_options():
         demo.main(["--steps", "0"])
     with pytest.raises(SystemExit):
         demo.main(["--device", "meta"])
+
+
+def test_each_row_is_printed_as_its_run_finishes(tmp_path, capsys, monkeypatch):
+    train_run = demo._train_run
+    seen_before = {}
+
+    def recording(name, *args):
+        seen_before[name] = capsys.readouterr().out  # printed before this run started
+        return train_run(name, *args)
+
+    monkeypatch.setattr(demo, "_train_run", recording)
+    assert demo.main(SMALL + _outputs(tmp_path)) == 0
+    assert list(seen_before) == list(demo.RUNS)
+    assert "| run | ms/step |" in seen_before["fp32"] and "| fp32 |" not in seen_before["fp32"]
+    assert "| fp32 |" in seen_before["torch.autocast"]
+    assert "| torch.autocast |" in seen_before["dispatch_amp"]
+
+
+def test_ctrl_c_after_the_first_run_writes_its_table_and_plot(tmp_path, capsys, monkeypatch):
+    train_run = demo._train_run
+
+    def interrupted_after_the_first(name, *args):
+        if name != demo.RUNS[0]:
+            raise KeyboardInterrupt
+        return train_run(name, *args)
+
+    monkeypatch.setattr(demo, "_train_run", interrupted_after_the_first)
+    assert demo.main(SMALL + _outputs(tmp_path)) == 130
+    out = capsys.readouterr().out
+    assert "stopped: 1 of 3 runs finished" in out
+    table = (tmp_path / "demo.md").read_text()
+    assert "| fp32 |" in table and "| torch.autocast |" not in table and "| dispatch_amp |" not in table
+    assert table.splitlines()[0].startswith("| run | ms/step |")
+    assert (tmp_path / "demo.png").stat().st_size > 0
+
+
+def test_ctrl_c_before_any_run_finished_writes_nothing(tmp_path, capsys, monkeypatch):
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "_train_run", interrupted)
+    assert demo.main(SMALL + _outputs(tmp_path)) == 130
+    assert "stopped: 0 of 3 runs finished" in capsys.readouterr().out
+    assert not (tmp_path / "demo.md").exists() and not (tmp_path / "demo.png").exists()
+
+
+def _results(ours: list[float], native: list[float]) -> list:
+    return [demo.RunResult("fp32", losses=[3.0, 2.5, 2.0]), demo.RunResult("torch.autocast", losses=native),
+            demo.RunResult("dispatch_amp", losses=ours)]
+
+
+def _difference_panel(results):
+    pytest.importorskip("matplotlib")
+    fig = demo._draw_demo(results, title="t")
+    return fig, fig.axes[1]
+
+
+def test_the_difference_panel_says_identical_when_ours_equals_native():
+    losses = [3.0, 2.4, 2.1]
+    fig, ax = _difference_panel(_results(list(losses), list(losses)))
+    assert [t.get_text() for t in ax.texts] == ["identical: the same loss at all 3 steps"]
+    assert not ax.lines  # no flat line on a tiny axis
+    demo._pyplot().close(fig)
+
+
+def test_the_difference_panel_draws_a_difference_that_is_not_zero():
+    fig, ax = _difference_panel(_results([3.0, 2.4, 2.1], [3.0, 2.4, 2.1 + 2**-10]))
+    assert not ax.texts
+    drawn = ax.lines[0].get_ydata()
+    assert list(drawn) == [0.0, 0.0, -(2**-10)]
+    demo._pyplot().close(fig)
+
+
+def test_the_plot_without_both_amp_runs_has_no_difference_panel(tmp_path):
+    pytest.importorskip("matplotlib")
+    fig = demo._draw_demo(_results([3.0], [3.0])[:2], title="t")
+    assert len(fig.axes) == 1
+    demo._pyplot().close(fig)
+
+
+def test_format_table_is_the_markdown_table_of_the_results():
+    results = _results([2.0], [2.0])
+    for r, ms in zip(results, (10.0, 5.0, 4.0)):
+        r.step_ms, r.peak_mb = ms, 100.0
+    lines = demo.format_table(results, torch.bfloat16).splitlines()
+    assert lines[0] == "| run | ms/step | vs fp32 | peak MB | final loss | skipped steps | matmul FLOPs in bfloat16 |"
+    assert lines[1] == "|---|---:|---:|---:|---:|---:|---:|"
+    assert lines[3] == "| torch.autocast | 5.0 | 2.00x | 100 | 2.000 | 0 | 0.0% |"
+    assert lines[4] == "| dispatch_amp | 4.0 | 2.50x | 100 | 2.000 | 0 | 0.0% |"
 
 
 def test_corpus_ships_with_the_package():

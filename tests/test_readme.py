@@ -31,7 +31,7 @@ def test_readme_run_command_runs(tmp_path):
     assert command[:1] == ["python"]
     out = subprocess.run(
         [sys.executable, *command[1:], "--steps", "3", "--batch", "4", "--seq", "32",
-         "--plot", str(tmp_path / "demo.png")],
+         "--plot", str(tmp_path / "demo.png"), "--table", str(tmp_path / "demo.md")],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == 0, out.stderr

@@ -451,17 +451,19 @@ def _pct(x) -> str:
 def markdown(reports: list[KernelReport]) -> str:
     head = ["kernel", "target", "warps", "registers", "spill st/ld (B)", "stack (B)", "full-tile loads",
             "full-tile stores", "16-byte share ld/st", "ragged-tile loads", "found_inf stores", "nonfinite stores"]
-    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for r in reports:
-        out.append("| " + " | ".join([
+        rows.append([
             r.kernel, r.target, str(r.num_warps), str(r.registers), f"{r.spill_stores}/{r.spill_loads}",
             str(r.stack_frame), r.full_loads.describe(), r.full_stores.describe(),
             f"{_pct(r.full_loads.vector_share)}/{_pct(r.full_stores.vector_share)}", r.ragged_loads.describe(),
             "-" if r.flag_stores is None else f"{r.flag_stores} ({r.flag_stores_in_loops} in loops)",
             "-" if r.tensor_flag_stores is None
             else f"{r.tensor_flag_stores} ({r.tensor_flag_stores_in_tile_loops} in tile loops)",
-        ]) + " |")
-    return "\n".join(out)
+        ])
+    from dispatch_amp import _markdown  # the package is installed wherever the kernels are inspected
+
+    return _markdown.table(head, rows)
 
 
 def main(argv=None) -> None:

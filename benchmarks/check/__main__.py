@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.run import write_csv
+from dispatch_amp._devices import device_available
 from benchmarks.suites import common
 
 from . import environment
@@ -106,7 +107,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="on CPU, tiny sizes: the code paths, no measurement")
     ap.add_argument("--quick", action="store_true", help="tiny sizes on the GPU: a smoke test")
     opts = ap.parse_args(argv)
-    if not opts.dry_run and not torch.cuda.is_available():
+    if not opts.dry_run and not device_available("cuda"):
         ap.error(f"no CUDA GPU is visible to torch here (torch {torch.__version__}); "
                  "run with --dry-run for the CPU rehearsal")
     opts.out.mkdir(parents=True, exist_ok=True)

@@ -37,8 +37,8 @@ import torch
 import dispatch_amp
 from benchmarks.suites import compile as compile_suite
 from benchmarks.suites import train_step
-from benchmarks.suites.common import Table, Tf32Off, amp_dtype, dtype_name, free_device_memory, interleaved, \
-    ratio_stats, verdict
+from benchmarks.suites.common import Table, amp_dtype, dtype_name, free_device_memory, no_tf32, verdict
+from benchmarks.timing import interleaved, ratio_stats
 
 from .settings import Settings
 from .targets import Target
@@ -152,7 +152,7 @@ def _eager_model(name: str, s: Settings):
     base.train()
     fns = _configs(base, batch, device)
     del base
-    samples = interleaved(fns, s.rounds, warmup=2, sync=s.sync if device.type == "cuda" else None)
+    samples = interleaved(fns, s.rounds, warmup=2)
     del fns
     free_device_memory(device)
     ms = {c: statistics.median(v) * 1e3 for c, v in samples.items()}
@@ -209,7 +209,7 @@ def eager(s: Settings):
     torch.backends.cudnn.benchmark = False  # heuristics, not autotuning: the suites' choice
     try:
         for name in MODELS:
-            with Tf32Off():
+            with no_tf32():
                 tables, targets = _eager_model(name, s)
             yield from tables
             yield from targets

@@ -1,15 +1,16 @@
-"""Shared pieces of the suites: tables, targets, interleaved timing, quantiles, devices."""
+"""Shared pieces of the suites: tables, targets, devices, child processes (timing: benchmarks/timing.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
-import statistics
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from dispatch_amp import _markdown
 
 REPO = Path(__file__).resolve().parents[2]  # children run `python -m benchmarks.run` from here
 
@@ -28,22 +29,25 @@ class Table:
     note: str = ""
 
     def markdown(self) -> str:
-        heads = [h for _, h, _ in self.columns]
-        out = [f"### {self.title}", "", "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
-        for r in self.rows:
-            cells = []
-            for key, _, fmt in self.columns:
-                v = r.get(key)
-                if v is None or v == "":
-                    cells.append("-")
-                elif isinstance(v, (int, float)) and not isinstance(v, bool):
-                    cells.append(fmt.format(v))
-                else:
-                    cells.append(str(v))
-            out.append("| " + " | ".join(cells) + " |")
+        """``### title``, the table (``dispatch_amp._markdown``) and the note.
+
+        Example::
+
+            Table("t: x", [("k", "key", "{:.1f}")], [{"k": 1.5}]).markdown()   # '### t: x\n\n| key |\n|---|\n| 1.5 |'
+        """
+        cells = [[_cell(r.get(key), fmt) for key, _, fmt in self.columns] for r in self.rows]
+        out = [f"### {self.title}", "", _markdown.table([h for _, h, _ in self.columns], cells)]
         if self.note:
             out += ["", self.note]
         return "\n".join(out)
+
+
+def _cell(value, fmt: str) -> str:
+    if value is None or value == "":
+        return "-"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return fmt.format(value)
+    return str(value)
 
 
 # Set by the runner for --quick: tiny sizes measure nothing worth a verdict.
@@ -61,97 +65,6 @@ def verdict(value, limit, *, at_most: bool = True) -> str:
     return "met" if ok else "missed"
 
 
-def quantile(values, q: float) -> float:
-    """Linear-interpolated quantile, q in [0, 1]."""
-    v = sorted(values)
-    if len(v) == 1:
-        return v[0]
-    pos = q * (len(v) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
-
-
-def rotations(items, rounds):
-    """Per round, the items in rotated order (A B C, B C A, ...): interleaved, and none is
-    always first or always after the same other one (docs/design.md, "Performance method")."""
-    items = list(items)
-    for r in range(rounds):
-        k = r % len(items)
-        yield items[k:] + items[:k]
-
-
-def interleaved(fns: dict, rounds: int, warmup: int = 1, setup=None, sync=None) -> dict:
-    """Seconds per call of each fn, interleaved over ``rounds``; ``setup(name)`` runs
-    untimed before each call. Returns name -> list of samples (one per round).
-
-    ``sync`` (e.g. ``torch.cuda.synchronize``) runs untimed before each call's clock
-    starts and, timed, after the call: asynchronous device work is then inside the sample."""
-    for name, fn in fns.items():
-        for _ in range(warmup):
-            if setup:
-                setup(name)
-            fn()
-            if sync:
-                sync()
-    samples = {name: [] for name in fns}
-    for order in rotations(fns, rounds):
-        for name in order:
-            if setup:
-                setup(name)
-            if sync:
-                sync()
-            t0 = time.perf_counter()
-            fns[name]()
-            if sync:
-                sync()
-            samples[name].append(time.perf_counter() - t0)
-    return samples
-
-
-def interleaved_events(fns: dict, rounds: int, warmup: int = 1, calls: int = 1) -> dict:
-    """CUDA only: device seconds per call of each fn (CUDA events around ``calls`` calls per
-    sample), interleaved over ``rounds`` in rotating order after ``warmup`` samples each.
-    Returns name -> list of per-call seconds (one per round)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def sample(fn) -> float:
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / calls
-
-    for fn in fns.values():
-        for _ in range(warmup):
-            sample(fn)
-    samples = {name: [] for name in fns}
-    for order in rotations(fns, rounds):
-        for name in order:
-            samples[name].append(sample(fns[name]))
-    return samples
-
-
-def ratio_stats(num: list, den: list) -> dict:
-    """Median, min and max of the per-round ratios num/den."""
-    r = [a / b for a, b in zip(num, den)]
-    return {"ratio": statistics.median(r), "ratio_min": min(r), "ratio_max": max(r)}
-
-
-def status_kb(field: str) -> int | None:
-    """A ``/proc/self/status`` field in kB (e.g. ``"VmHWM"``: peak RSS), or None off Linux."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
 # -- devices --------------------------------------------------------------------------------
 def device_of(opts) -> torch.device:
     """The device the suites measure on: ``--device`` (cpu unless asked)."""
@@ -165,11 +78,6 @@ def amp_dtype(device: torch.device) -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype, str(dtype))
-
-
-def synchronizer(device: torch.device):
-    """``torch.cuda.synchronize`` on CUDA, None (nothing to wait for) on CPU."""
-    return torch.cuda.synchronize if device.type == "cuda" else None
 
 
 def free_device_memory(device: torch.device) -> None:
@@ -201,20 +109,26 @@ def failure(e: BaseException) -> str:
     return f"failed: {type(e).__name__}: {first[:160]}"
 
 
-class Tf32Off:
-    """``with Tf32Off():`` float32 matmuls and convolutions in true fp32 (no TF32 on the
-    matrix units): ``torch.backends.cuda.matmul.allow_tf32`` and ``cudnn.allow_tf32`` off,
-    restored on exit."""
+@contextlib.contextmanager
+def no_tf32():
+    """``with no_tf32():`` float32 matmuls and convolutions in true fp32, no TF32 on the
+    matrix units (the fp32 baseline of the headline tables), the settings before restored
+    on exit. Through torch's switches: ``torch.set_float32_matmul_precision("highest")``
+    (cuBLAS) and ``torch.backends.cudnn.allow_tf32`` (cuDNN, on by default).
 
-    def __enter__(self):
-        self.saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-        return self
+    Example::
 
-    def __exit__(self, *exc):
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.saved
-        return False
+        with no_tf32():
+            fp32_ms = time_step(model)
+    """
+    matmul, conv = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(matmul)
+        torch.backends.cudnn.allow_tf32 = conv
 
 
 def run_children(cmds: dict, concurrent: bool = False, timeout: float = 600) -> dict:

@@ -32,10 +32,10 @@ import torch
 import torch._dynamo
 
 import dispatch_amp
+from benchmarks.timing import interleaved, once, ratio_stats
 
 from . import train_step
-from .common import (Table, amp_dtype, device_of, dtype_name, failure, free_device_memory, interleaved, ratio_stats,
-                     synchronizer, training_step, verdict)
+from .common import Table, amp_dtype, device_of, dtype_name, failure, free_device_memory, training_step, verdict
 
 NAME = "compile"
 COMPILED_TARGET = 1.02
@@ -76,9 +76,7 @@ def _compile_seconds(base, batch, config: str, backend: str) -> float:
     torch._dynamo.reset()
     step = make_step(copy.deepcopy(base), batch, config, backend)
     with inductor_config.patch(force_disable_caches=True):
-        t0 = time.perf_counter()
-        step()
-        return time.perf_counter() - t0
+        return once(step)
 
 
 def _time_model(name: str, quick: bool, rounds: int, backend: str) -> dict:
@@ -123,7 +121,6 @@ def time_compiled(name: str, index: int, quick: bool, rounds: int, backend: str,
         row = time_compiled("cnn", 0, quick=True, rounds=3, backend="aot_eager", device=torch.device("cpu"))
         row["ours/native compiled"]
     """
-    sync = synchronizer(device) or (lambda: None)
     desc, base, batch = train_step.gpu_case(name, quick, device)
     base.train()
     torch._dynamo.reset()
@@ -132,22 +129,14 @@ def time_compiled(name: str, index: int, quick: bool, rounds: int, backend: str,
     order = ("native compiled", "ours compiled")
     if index % 2:
         order = order[::-1]
-    compile_s = {}
-    for config in order:
-        sync()
-        t0 = time.perf_counter()
-        steps[config]()
-        sync()
-        compile_s[config] = time.perf_counter() - t0
+    compile_s = {config: once(steps[config]) for config in order}
     k = 1 if quick else train_step.CUDA_STEPS_PER_SAMPLE[name]
-    fns = {c: train_step._repeat(f, k) for c, f in steps.items()}
-    s = interleaved(fns, rounds, warmup=2, sync=synchronizer(device))
-    s = {c: [t / k for t in v] for c, v in s.items()}
+    s = interleaved(steps, rounds, warmup=2, calls=k)
     ms = {c: statistics.median(v) * 1e3 for c, v in s.items()}
     compiled = ratio_stats(s["ours compiled"], s["native compiled"])
     eager = ratio_stats(s["ours eager"], s["native eager"])
     eager_target = train_step.TIME_TARGETS.get(name, train_step.TIME_TARGET)
-    del steps, fns
+    del steps
     return {
         "model": desc, "backend": backend, "rounds": rounds,
         **{f"{c.replace(' ', '_')}_ms": ms[c] for c in CONFIGS},
@@ -235,9 +224,6 @@ def warm_up(backend: str, device: torch.device = torch.device("cpu")) -> None:
     """
     torch._dynamo.reset()
     torch.compile(lambda x: (x * 2).sum(), backend=backend)(torch.ones(4, device=device))
-    sync = synchronizer(device)
-    if sync:
-        sync()
 
 
 def run(opts) -> list[Table]:

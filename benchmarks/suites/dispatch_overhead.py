@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-import time
 
 import torch
 
 import dispatch_amp
+from benchmarks.timing import interleaved
 
-from .common import Table, amp_dtype, device_of, dtype_name, quantile, rotations, synchronizer, verdict
+from .common import Table, amp_dtype, device_of, dtype_name, verdict
 
 NAME = "dispatch-overhead"
 TARGET_US = 5.0
@@ -40,19 +40,6 @@ def _ops(device: torch.device = torch.device("cpu")):
     return {"x.add(y)": lambda: x.add(y), "torch.mm 8x8": lambda: torch.mm(x, y), "x.view(64)": lambda: x.view(64)}
 
 
-def _per_op_us(fn, mode: str, iters: int, device: torch.device = torch.device("cpu")) -> float:
-    sync = synchronizer(device)
-    with _context(mode, device):
-        if sync:
-            sync()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        if sync:
-            sync()
-        return (time.perf_counter() - t0) / iters * 1e6
-
-
 def run(opts) -> list[Table]:
     device = device_of(opts)
     iters, repeats = (1000, 5) if opts.quick else ((2000, 21) if device.type == "cuda" else (5000, 21))
@@ -65,18 +52,17 @@ def run(opts) -> list[Table]:
          ("target", "target", "{}"), ("met", "met?", "{}")],
     )
     for name, fn in _ops(device).items():
-        for mode in MODES:  # warm-up: memos, caches
-            _per_op_us(fn, mode, max(50, iters // 10), device)
-        samples = {m: [] for m in MODES}
-        for order in rotations(MODES, repeats):
-            for mode in order:
-                samples[mode].append(_per_op_us(fn, mode, iters, device))
+        # Each sample: `iters` calls of the op inside one region, entered off the clock.
+        seconds = interleaved({m: fn for m in MODES}, repeats, calls=iters,
+                              inside=lambda mode: _context(mode, device))
+        samples = {m: [t * 1e6 for t in v] for m, v in seconds.items()}
         extra = [o - n for o, n in zip(samples["ours"], samples["native"])]
         med = statistics.median(extra)
+        deciles = statistics.quantiles(extra, n=10, method="inclusive")  # linear between order statistics
         table.rows.append({
             "op": name, "iters": iters, "repeats": repeats,
             **{f"{m}_us": statistics.median(samples[m]) for m in MODES},
-            "extra_median_us": med, "extra_p10_us": quantile(extra, 0.1), "extra_p90_us": quantile(extra, 0.9),
+            "extra_median_us": med, "extra_p10_us": deciles[0], "extra_p90_us": deciles[-1],
             "extra_min_us": min(extra), "extra_max_us": max(extra),
             "target": f"<= {TARGET_US:g} us", "met": verdict(med, TARGET_US),
         })

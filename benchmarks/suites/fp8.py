@@ -69,8 +69,10 @@ from torch import nn
 import dispatch_amp
 from dispatch_amp import fp8
 
-from .common import (Table, device_of, failure, free_device_memory, gpu_memory_gib, interleaved, ratio_stats,
-                     run_children, training_step, verdict)
+from benchmarks.timing import interleaved, ratio_stats
+
+from .common import (Table, device_of, failure, free_device_memory, gpu_memory_gib, run_children, training_step,
+                     verdict)
 
 NAME = "fp8"
 LINEAR_TARGETS = {"fp8 current": 1.35, "fp8 delayed": 1.5}  # eager speedup over bf16
@@ -110,25 +112,11 @@ def _region(device: torch.device, recipe):
     return lambda: dispatch_amp.autocast(device.type, dtype=torch.bfloat16, fp8=recipe)
 
 
-def _sync(device: torch.device):
-    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-
-def _timed(fns: dict, device: torch.device, rounds: int, iters: int) -> dict:
-    """Seconds per call of each fn: ``iters`` calls per sample, the device synchronized
-    before and after each sample, configurations interleaved over ``rounds``. Every fn has
-    run before (the correctness pass compiled the compiled ones), so one warm-up sample."""
-    sync = _sync(device)
-
-    def sample(fn):
-        def run():
-            for _ in range(iters):
-                fn()
-            sync()
-        return run
-
-    s = interleaved({k: sample(fn) for k, fn in fns.items()}, rounds, warmup=1, setup=lambda _: sync())
-    return {k: [t / iters for t in v] for k, v in s.items()}
+def _timed(fns: dict, rounds: int, iters: int) -> dict:
+    """Seconds per call of each fn: ``iters`` calls per sample (the device synchronized
+    before and after each), configurations interleaved over ``rounds``. Every fn has run
+    before (the correctness pass compiled the compiled ones), so one warm-up sample."""
+    return interleaved(fns, rounds, warmup=1, calls=iters)
 
 
 def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -245,7 +233,7 @@ def linear_tables(device: torch.device, quick: bool, backend: str, timed: bool, 
         except Exception as e:  # noqa: BLE001
             torchao, torchao_status = None, "torchao " + failure(e)
 
-    s = _timed(steps, device, rounds, iters) if timed else None
+    s = _timed(steps, rounds, iters) if timed else None
     if observe is not None:
         observe(dict(steps))
     flops = 3 * 2 * m * k * n  # the forward gemm and the two backward gemms
@@ -434,7 +422,7 @@ def gpt_table(device: torch.device, quick: bool, backend: str, timed: bool, obse
         del steps[key]
     opt.zero_grad(set_to_none=True)
 
-    s = _timed(steps, device, rounds, iters) if timed else None
+    s = _timed(steps, rounds, iters) if timed else None
     if observe is not None:
         observe(dict(steps))
     tokens = size.batch * size.seq

@@ -28,7 +28,6 @@ import collections
 import contextlib
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -37,8 +36,9 @@ import torch.nn.functional as F
 import dispatch_amp
 
 from ..models import GPT, GPTConfig, ResidualMLP, ResNet, gpt_batch
+from ..timing import interleaved, ratio_stats
 from . import common
-from .common import Table, rotations, verdict
+from .common import Table, verdict
 
 NAME = "host-cost"
 _PACKAGE = str(Path(dispatch_amp.__file__).resolve().parent)
@@ -126,21 +126,9 @@ def _region(mode: str):
     return dispatch_amp.autocast("cpu", dtype=torch.bfloat16)
 
 
-def _time(fn, calls: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - t0) / calls * 1e3  # ms
-
-
 def _interleaved(fns: dict, calls: int, rounds: int) -> dict[str, list[float]]:
-    for fn in fns.values():  # warm-up: memos, kernel registration, caches
-        _time(fn, max(1, calls // 2))
-    samples = {name: [] for name in fns}
-    for order in rotations(tuple(fns), rounds):
-        for name in order:
-            samples[name].append(_time(fns[name], calls))
-    return samples
+    """Milliseconds per call, interleaved after a warm-up sample (memos, kernel registration, caches)."""
+    return {name: [t * 1e3 for t in v] for name, v in interleaved(fns, rounds, calls=calls).items()}
 
 
 def _forward(model, batch, mode):
@@ -186,12 +174,12 @@ def _met(ok: bool) -> str:
     return "smoke test" if common.SMOKE_TEST else ("met" if ok else "missed")
 
 
+def _ratio(a, b) -> float:
+    return ratio_stats(a, b)["ratio"]
+
+
 def _median_diff(a, b):
     return statistics.median(x - y for x, y in zip(a, b))
-
-
-def _median_ratio(a, b):
-    return statistics.median(x / y for x, y in zip(a, b))
 
 
 def entries_per_forward(model, batch) -> tuple[int, int, collections.Counter]:
@@ -256,7 +244,7 @@ def run(opts) -> list[Table]:
         step = _interleaved({m: _step(model, batch, m, optimizer) for m in ("native", "ours")}, calls, rounds)
         entries, cast, _ = entries_per_forward(model, batch)
         added = _median_diff(fwd["ours"], fwd["native"])
-        ratio = _median_ratio(step["ours"], step["native"])
+        ratio = _ratio(step["ours"], step["native"])
         checks = []
         if name in FORWARD_TARGET_MS:
             checks.append(added <= FORWARD_TARGET_MS[name])
@@ -304,11 +292,11 @@ def run(opts) -> list[Table]:
             "kept": _eval_loop(model, [batch] * 8, "ours", True),
         }, max(1, calls // 2), rounds)
         for case, samples, target in (("accumulation", acc, 1.0), ("eval loop", evals, 1.0)):
-            kept = _median_ratio(samples["kept"], samples["native"])
+            kept = _ratio(samples["kept"], samples["native"])
             repeated.rows.append({
                 "case": case, "model": name, "native_ms": statistics.median(samples["native"]),
                 "ours_ms": statistics.median(samples["ours"]),
-                "ours_ratio": _median_ratio(samples["ours"], samples["native"]),
+                "ours_ratio": _ratio(samples["ours"], samples["native"]),
                 "kept_ms": statistics.median(samples["kept"]), "kept_ratio": kept,
                 "target": f"kept < {target:.2f}", "met": _met(kept < target),
             })

@@ -38,7 +38,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import dispatch_amp
 from dispatch_amp.kernels import check_finite_, unscale_check_, uses_triton
 
-from .common import Table, device_of, free_device_memory, interleaved, interleaved_events, ratio_stats, verdict
+from benchmarks.timing import interleaved, interleaved_events, ratio_stats
+
+from .common import Table, device_of, free_device_memory, verdict
 
 NAME = "scaler"
 INV_SCALE = 1.0 + 2.0**-20  # not 1.0 (torch may skip the multiply); values neither under- nor overflow
@@ -81,14 +83,9 @@ def _unscale_table(quick: bool, rounds: int) -> Table:
         "ours unscale_check_": lambda: unscale_check_(grads, inv, found),
         "ours check_finite_": lambda: check_finite_(grads, found),
     }
-    reps = 2 if quick else 10  # calls per sample
-
-    def repeat(fn):
-        return lambda: [fn() for _ in range(reps)]
-
-    s = interleaved({k: repeat(f) for k, f in fns.items()}, rounds, warmup=1)
+    s = interleaved(fns, rounds, warmup=1, calls=2 if quick else 10)
     for name, v in s.items():
-        sec = statistics.median(v) / reps
+        sec = statistics.median(v)
         table.rows.append({"provider": name, "n_tensors": n, "numel": numel, "time_us": sec * 1e6,
                            "gb_s": n * numel * 8 / sec / 1e9, **ratio_stats(v, s["torch"])})
     return table
@@ -148,8 +145,7 @@ def step_table(quick: bool, rounds: int, device: torch.device = torch.device("cp
                 for p in params:
                     p.grad.fill_(1.0)
 
-        sync = torch.cuda.synchronize if device.type == "cuda" else None
-        s = interleaved(steps, rounds, warmup=2, setup=refill, sync=sync)
+        s = interleaved(steps, rounds, warmup=2, setup=refill)
         syncs = {}
         for k, fn in steps.items():
             refill(k)
@@ -245,11 +241,8 @@ def unscale_vs_copy_table(quick: bool, rounds: int, device: torch.device = torch
         "ours check_finite_ (read-only)": lambda: check_finite_(grads, found),
     }
     moved = {name: total * (4 if "read-only" in name else 8) for name in fns}
-    if device.type == "cuda":
-        s = interleaved_events(fns, rounds, warmup=2, calls=calls)
-    else:
-        s = interleaved({k: (lambda fn=fn: [fn() for _ in range(calls)]) for k, fn in fns.items()}, rounds, warmup=2)
-        s = {k: [t / calls for t in v] for k, v in s.items()}
+    timer = interleaved_events if device.type == "cuda" else interleaved
+    s = timer(fns, rounds, warmup=2, calls=calls)
     copy_name, torch_name = list(fns)[:2]
     if found.item() != 0.0:
         matches = "NO (found_inf raised on finite gradients)"

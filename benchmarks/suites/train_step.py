@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import resource
 import statistics
 import sys
 import time
@@ -43,9 +42,11 @@ import torch
 
 import dispatch_amp
 from benchmarks import models as M
+from benchmarks.timing import interleaved, ratio_stats
+from dispatch_amp._peak_rss import peak_rss_mb, reset_peak_rss
 
-from .common import (Table, Tf32Off, amp_dtype, device_of, failure, free_device_memory, gpu_memory_gib,
-                     interleaved, ratio_stats, run_children, status_kb, verdict)
+from .common import (Table, amp_dtype, device_of, failure, free_device_memory, gpu_memory_gib, no_tf32, run_children,
+                     verdict)
 
 # The scaler rows time the scaler's bookkeeping on bf16, where no scaler is needed; ours
 # says so once per scaler (AmpNumericsWarning), which is not news here.
@@ -179,12 +180,6 @@ def make_step(model, batch, config: str, device: torch.device | str = "cpu"):
     return step
 
 
-def _repeat(fn, k: int):
-    if k == 1:
-        return fn
-    return lambda: [fn() for _ in range(k)]
-
-
 def _time_model(name: str, quick: bool, rounds: int, device: torch.device | None = None) -> tuple[list[dict], dict | None]:
     """Timing rows of ``name`` (plain and GradScaler loops), and on CUDA its headline row
     (fp32 / mixed-precision speedups) for the ResNet-50 and the GPT, else None."""
@@ -192,12 +187,8 @@ def _time_model(name: str, quick: bool, rounds: int, device: torch.device | None
     desc, base, batch = case(name, quick, device)
     base.train()
     steps = {c: make_step(copy.deepcopy(base), batch, c, device) for c in CONFIGS}
-    if device.type == "cuda":
-        k = 1 if quick else CUDA_STEPS_PER_SAMPLE[name]
-        s = interleaved({c: _repeat(f, k) for c, f in steps.items()}, rounds, warmup=2, sync=torch.cuda.synchronize)
-        s = {c: [t / k for t in v] for c, v in s.items()}
-    else:
-        s = interleaved(steps, rounds, warmup=2)
+    k = 1 if quick or device.type != "cuda" else CUDA_STEPS_PER_SAMPLE[name]
+    s = interleaved(steps, rounds, warmup=2, calls=k)
     ms = {c: statistics.median(v) * 1e3 for c, v in s.items()}
     rows = []
     target = TIME_TARGETS.get(name, TIME_TARGET)
@@ -270,20 +261,12 @@ def child(args: list[str], opts) -> None:
     _, model, batch = case(name, quick)
     step = make_step(model.train(), batch, config)
     step()  # optimizer state, scaler state, caches
-    before_kb = status_kb("VmRSS")
-    try:  # Linux: reset VmHWM, so the peak is that of the steps, not of the imports
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        reset = True
-    except OSError:
-        reset = False
+    # The peak of the steps, not of the imports (Linux; elsewhere the process's whole peak).
+    reset = reset_peak_rss()
+    before = peak_rss_mb()  # right after the reset: the RSS before the steps
     for _ in range(3):
         step()
-    peak_kb = status_kb("VmHWM") if reset else None
-    if peak_kb is None:  # no reset possible: ru_maxrss, which may still be the import peak
-        peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"peak_mb": peak_kb / 1024, "before_mb": (before_kb or 0) / 1024,
-                      "ru_maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "vmhwm_reset": reset}))
+    print(json.dumps({"peak_mb": peak_rss_mb(), "before_mb": before, "vmhwm_reset": reset}))
 
 
 def _timing_table(rounds: int, device: torch.device) -> Table:
@@ -366,7 +349,7 @@ def _run_cuda(opts, device: torch.device):
     timing = _timing_table(rounds, device)
     headline = Table(
         "train-step headline: fp16 mixed precision with GradScaler vs fp32 (TF32 off: "
-        "torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False), ms/step, SGD, "
+        'torch.set_float32_matmul_precision("highest"), torch.backends.cudnn.allow_tf32 = False), ms/step, SGD, '
         f"median of {rounds} interleaved rounds",
         [("model", "model", "{}"), ("fp32_ms", "fp32 (no TF32)", "{:.1f}"),
          ("native_ms", "native fp16 + torch GradScaler", "{:.1f}"), ("ours_ms", "ours fp16 + our GradScaler", "{:.1f}"),
@@ -379,7 +362,7 @@ def _run_cuda(opts, device: torch.device):
     benchmark_mode = torch.backends.cudnn.benchmark
     torch.backends.cudnn.benchmark = False  # heuristics: autotuning ResNet-50 cost ~30 s of the budget
     try:
-        with Tf32Off():
+        with no_tf32():
             for name in MODELS:
                 t0 = time.perf_counter()
                 try:

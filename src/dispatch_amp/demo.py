@@ -2,17 +2,22 @@
 
 Run ``python -m dispatch_amp.demo`` (about a minute on a 2-core CPU). It trains the same
 model from the same seed on text shipped with the package (``data/corpus.txt``) three
-times, prints a table of step time, peak memory, final loss, skipped steps and what share
-of the matmul FLOPs ran in 16 bits, prints a sample from our model, and writes a plot of
-loss, of our loss minus native's, and of the loss scale (when a scaler ran) to ``demo.png``.
-The three runs are interleaved step by step in rotating order, so load on the machine
-slows them alike; each keeps its own model, optimizer and batch generator.
+times, one run after another, and prints each run's row of a table as the run finishes:
+step time, peak memory, final loss, skipped steps and what share of the matmul FLOPs ran
+in 16 bits. It then prints a sample from our model, writes the table to ``demo.md`` and a
+plot to ``demo.png``: loss, our loss minus native's (the word "identical" where that
+difference is zero at every step), and the loss scale when a scaler ran.
+
+Stopped early (Ctrl-C), it writes the table and the plot of the runs that finished and
+exits with status 130. The step time is the median over the steps after the third, on
+``torch.utils.benchmark``'s clock (the accelerator synchronized); ``python -m benchmarks``
+gives the careful, interleaved speed comparison.
 
 On CPU the default is bfloat16 without a scaler; ``--dtype float16`` (or a CUDA device)
 adds a GradScaler (torch's for the native run, ours for ours).
 
-Options: ``--steps``, ``--dtype``, ``--device``, ``--plot PATH`` / ``--no-plot``,
-``--batch``, ``--seq``.
+Options: ``--steps``, ``--dtype``, ``--device``, ``--table PATH``, ``--plot PATH`` /
+``--no-plot``, ``--batch``, ``--seq``.
 """
 
 from __future__ import annotations
@@ -24,14 +29,17 @@ import math
 import os
 import statistics
 import sys
-import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.benchmark import timer as clock
 
-from . import GradScaler, autocast
+from . import GradScaler, _markdown, autocast
+from ._devices import default_device_type, device_available
+from ._peak_rss import peak_rss_mb, reset_peak_rss
 from .diagnostics.census import PrecisionCensus
 from .diagnostics.plotting import _pyplot, draw_scales
 
@@ -83,27 +91,14 @@ class RunResult:
 def _reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-        return
-    # Linux resets the resident-set high-water mark on this write; elsewhere the peak
-    # stays process-wide (reported as such).
-    with contextlib.suppress(OSError):
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+    else:  # Linux restarts the RSS high-water mark; elsewhere the peak stays process-wide
+        reset_peak_rss()
 
 
 def _peak_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return peak_rss_mb()
 
 
 # -- one run --------------------------------------------------------------------------------
@@ -119,11 +114,11 @@ def _contexts(name: str, device: torch.device, dtype: torch.dtype):
 
 
 class _Run:
-    """One of the three trainings, advanced a step at a time so the runs can be interleaved.
+    """One of the three trainings, advanced a step at a time.
 
-    Each run owns its model, optimizer, scaler and batch generator: interleaving changes
-    only when a step runs, never what it computes, so the losses are those of three runs
-    one after another. The global RNG is used only to build the model, from seed 0.
+    Each run owns its model, optimizer, scaler and batch generator; the global RNG is used
+    only to build the model, from seed 0. So every run starts from the same weights and
+    sees the same batches.
     """
 
     def __init__(self, name, data, vocab, args, device, dtype):
@@ -151,7 +146,7 @@ class _Run:
     def step(self, step: int) -> None:
         scaler, result = self.scaler, self.result
         x, y = self.batch()
-        start = time.perf_counter()
+        start = clock()  # torch.utils.benchmark's clock: the accelerator synchronized first
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.loss_of(x, y)
         if scaler is not None:
@@ -166,9 +161,7 @@ class _Run:
         else:
             loss.backward()
             self.optimizer.step()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.times.append(time.perf_counter() - start)
+        self.times.append(clock() - start)
         result.losses.append(loss.item())
 
     def finish(self) -> RunResult:
@@ -178,8 +171,8 @@ class _Run:
         if isinstance(self.scaler, GradScaler):
             result.skipped = self.scaler.skipped_steps
             result.scales = self.scaler.scale_history()
-        # Untimed: the peak of one forward and backward (all three runs' weights and
-        # optimizer states are resident by now, the same baseline for each).
+        # Untimed: the peak of one forward and backward, with this run's weights and
+        # optimizer state resident (the runs before it are freed: the same baseline).
         self.optimizer.zero_grad(set_to_none=True)
         x, y = self.batch()
         _reset_peak(self.device)
@@ -195,14 +188,15 @@ class _Run:
         return result
 
 
-def _train_interleaved(runs: list[_Run], steps: int, progress) -> list[RunResult]:
-    # Step by step in rotating order (A B C, B C A, ...), like the benchmarks: load on the
-    # machine then slows every run alike instead of whichever ran during it.
-    for step in progress(range(steps), desc="training"):
-        k = step % len(runs)
-        for run in runs[k:] + runs[:k]:
-            run.step(step)
-    return [run.finish() for run in runs]
+RUNS = ("fp32", "torch.autocast", "dispatch_amp")
+
+
+def _train_run(name: str, data, vocab, args, device, dtype, progress) -> RunResult:
+    """One whole run: ``args.steps`` steps, then the untimed measurements."""
+    run = _Run(name, data, vocab, args, device, dtype)
+    for step in progress(range(args.steps), desc=name):
+        run.step(step)
+    return run.finish()
 
 
 def _sample(model, data, vocab, args, device, context, length: int = 120) -> str:
@@ -217,51 +211,93 @@ def _sample(model, data, vocab, args, device, context, length: int = 120) -> str
     return "".join(args.alphabet[i] for i in idx[0, args.seq // 2 :].tolist())
 
 
-# -- the table and the command line ---------------------------------------------------------
-def format_table(results: list[RunResult], dtype: torch.dtype) -> str:
-    """The demo's Markdown table."""
-    base = results[0].step_ms
+# -- the table, the plot and the command line ------------------------------------------------
+def _table_header(dtype: torch.dtype) -> tuple[list[str], str]:
     low = str(dtype).replace("torch.", "")
-    lines = [
-        f"| run | ms/step | vs fp32 | peak MB | final loss | skipped steps | matmul FLOPs in {low} |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in results:
-        tail = r.losses[-10:]
-        final = sum(tail) / len(tail) if tail else math.nan
-        lines.append(
-            f"| {r.name} | {r.step_ms:.1f} | {base / r.step_ms:.2f}x | {r.peak_mb:.0f} | "
-            f"{final:.3f} | {r.skipped} | {100 * r.low_precision_share:.1f}% |"
-        )
-    return "\n".join(lines)
+    names = ["run", "ms/step", "vs fp32", "peak MB", "final loss", "skipped steps", f"matmul FLOPs in {low}"]
+    return names, "lrrrrrr"
 
 
-def _plot_demo(results: list[RunResult], path, *, title: str) -> str:
-    # Three panels: the losses, ours minus native per step (the AMP curves lie on top of
-    # each other at the loss panel's scale; a divergence shows here), and loss scales.
+def _table_row(r: RunResult, fp32_ms: float) -> list[str]:
+    tail = r.losses[-10:]
+    final = sum(tail) / len(tail) if tail else math.nan
+    return [r.name, f"{r.step_ms:.1f}", f"{fp32_ms / r.step_ms:.2f}x", f"{r.peak_mb:.0f}", f"{final:.3f}",
+            str(r.skipped), f"{100 * r.low_precision_share:.1f}%"]
+
+
+def format_table(results: list[RunResult], dtype: torch.dtype) -> str:
+    """The demo's Markdown table; "vs fp32" is against the first result (the fp32 run).
+
+    Example::
+
+        print(format_table(results, torch.bfloat16))
+    """
+    names, align = _table_header(dtype)
+    fp32_ms = results[0].step_ms if results else math.nan
+    return _markdown.table(names, [_table_row(r, fp32_ms) for r in results], align)
+
+
+def _identical(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) > 0 and all(x == y for x, y in zip(a, b))
+
+
+def _draw_demo(results: list[RunResult], *, title: str):
+    """The demo's figure: the losses; ours minus native per step (the AMP curves lie on top
+    of each other at the loss panel's scale; a divergence shows here), when both ran; and
+    the loss scales, when a scaler ran."""
     plt = _pyplot()
     by_name = {r.name: r for r in results}
+    with_diff = "dispatch_amp" in by_name and "torch.autocast" in by_name
     with_scale = any(r.scales for r in results)
-    fig, axes = plt.subplots(3 if with_scale else 2, 1, figsize=(8, 8.5 if with_scale else 6), squeeze=False)
-    ax = axes[0][0]
+    panels = 1 + with_diff + with_scale
+    fig, axes = plt.subplots(panels, 1, figsize=(8, 2.8 * panels + 0.4), squeeze=False)
+    axes = [row[0] for row in axes]
+    ax = axes[0]
     for r, style in zip(results, ("-", "--", ":")):
         ax.plot(range(1, len(r.losses) + 1), r.losses, style, label=r.name, linewidth=1.4)
     ax.set(xlabel="step", ylabel="loss", title=title)
     ax.grid(alpha=0.3)
     ax.legend()
-    ax = axes[1][0]
-    ours, native = by_name["dispatch_amp"].losses, by_name["torch.autocast"].losses
-    ax.plot(range(1, len(ours) + 1), [a - b for a, b in zip(ours, native)], color="C2", linewidth=1.2)
-    ax.axhline(0.0, color="gray", linewidth=0.8)
-    ax.set(xlabel="step", ylabel="loss: dispatch_amp - torch.autocast")
-    ax.grid(alpha=0.3)
+    if with_diff:
+        ax = axes[1]
+        ours, native = by_name["dispatch_amp"].losses, by_name["torch.autocast"].losses
+        ax.set(xlabel="step", ylabel="loss: dispatch_amp - torch.autocast")
+        if _identical(ours, native):
+            # A flat line at zero draws on an axis of a few hundredths either way, which
+            # reads as a small difference; say what it is instead.
+            ax.text(0.5, 0.5, f"identical: the same loss at all {len(ours)} steps", transform=ax.transAxes,
+                    ha="center", va="center", fontsize=12)
+            ax.set_yticks([])
+            ax.set_xlim(1, max(len(ours), 2))
+        else:
+            ax.plot(range(1, len(ours) + 1), [a - b for a, b in zip(ours, native)], color="C2", linewidth=1.2)
+            ax.axhline(0.0, color="gray", linewidth=0.8)
+            ax.grid(alpha=0.3)
     if with_scale:
-        draw_scales(axes[2][0], {r.name: r.scales for r in results})
+        draw_scales(axes[-1], {r.name: r.scales for r in results})
     fig.tight_layout()
+    return fig
+
+
+def _plot_demo(results: list[RunResult], path, *, title: str) -> str:
+    fig = _draw_demo(results, title=title)
     path = os.fspath(path)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _pyplot().close(fig)
     return path
+
+
+def _write_outputs(results: list[RunResult], args, dtype: torch.dtype, title: str) -> None:
+    """The table and the plot of the finished runs (all of them, or those before a Ctrl-C)."""
+    table = Path(args.table)
+    table.write_text(format_table(results, dtype) + "\n")
+    print(f"table written to {table.resolve()}")
+    if not args.no_plot:
+        try:
+            path = _plot_demo(results, args.plot, title=title)
+            print(f"plot written to {os.path.abspath(path)}")
+        except ImportError as error:
+            print(f"no plot: {error}")
 
 
 def _progress_bar():
@@ -275,12 +311,13 @@ def _progress_bar():
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dispatch_amp.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=150, help="training steps per run (default 150)")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda where there is one)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
                         help="16-bit dtype (default: bfloat16 on CPU, float16 on CUDA)")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--table", default="demo.md", help="where to write the table (Markdown)")
     parser.add_argument("--plot", default="demo.png", help="where to write the plot (PNG)")
     parser.add_argument("--no-plot", action="store_true", help="do not write a plot")
     return parser
@@ -291,13 +328,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.steps < 1:
         raise SystemExit("--steps must be at least 1")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(args.device or default_device_type(among=("cuda",)))
     if device.type not in ("cpu", "cuda"):
         raise SystemExit(f"--device must be cpu or cuda, got {device.type!r}")
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if not device_available(device.type):
         raise SystemExit("--device cuda was asked for, but torch sees no CUDA device")
     dtype = _DTYPES[args.dtype] if args.dtype else (torch.float16 if device.type == "cuda" else torch.bfloat16)
 
+    title = f"char GPT, {device.type} {str(dtype).replace('torch.', '')}"
     text = load_corpus()
     args.alphabet = sorted(set(text))
     lookup = {c: i for i, c in enumerate(args.alphabet)}
@@ -308,18 +346,22 @@ def main(argv: list[str] | None = None) -> int:
           f"{device.type}, {str(dtype).replace('torch.', '')}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
     progress = _progress_bar()
-    runs = [_Run(name, data, vocab, args, device, dtype) for name in ("fp32", "torch.autocast", "dispatch_amp")]
-    results = _train_interleaved(runs, args.steps, progress)
+    names, align = _table_header(dtype)
     print()
-    print(format_table(results, dtype))
+    print(_markdown.header(names, align), flush=True)
+    results: list[RunResult] = []
+    try:
+        for name in RUNS:
+            results.append(_train_run(name, data, vocab, args, device, dtype, progress))
+            print(_markdown.row(_table_row(results[-1], results[0].step_ms)), flush=True)
+    except KeyboardInterrupt:
+        print(f"\nstopped: {len(results)} of {len(RUNS)} runs finished", flush=True)
+        if results:
+            _write_outputs(results, args, dtype, title)
+        return 130  # the shell's status for a process ended by Ctrl-C (128 + SIGINT)
     print()
     print("sample from the dispatch_amp run:", repr(results[-1].sample[:100]))
-    if not args.no_plot:
-        try:
-            path = _plot_demo(results, args.plot, title=f"char GPT, {device.type} {str(dtype).replace('torch.', '')}")
-            print(f"plot written to {os.path.abspath(path)}")
-        except ImportError as error:
-            print(f"no plot: {error}")
+    _write_outputs(results, args, dtype, title)
     return 0
 
 

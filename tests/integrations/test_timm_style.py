@@ -267,15 +267,17 @@ def test_agc_takes_a_single_tensor_as_timm_does(same):
 # -- the default device -------------------------------------------------------------------
 
 
-def test_the_default_device_is_cuda_where_available_else_cpu(monkeypatch):
+@pytest.mark.parametrize(("accelerator", "expected"), [(None, "cpu"), ("cuda", "cuda"), ("mps", "mps")])
+def test_the_default_device_is_the_machines_accelerator_else_cpu(monkeypatch, accelerator, expected):
     import warnings
 
-    for available, expected in ((False, "cpu"), (True, "cuda")):
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")   # a working default: no "CUDA is not available"
-            for loss_scaler in (NativeScaler(), NativeScaler(device=None)):
-                assert loss_scaler.scaler._device == expected and loss_scaler.scaler.is_enabled()
+    monkeypatch.setattr(torch.accelerator, "current_accelerator",
+                        lambda check_available=False: None if accelerator is None else torch.device(accelerator))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: accelerator == "cuda")  # what GradScaler checks
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # a working default: no "CUDA is not available"
+        for loss_scaler in (NativeScaler(), NativeScaler(device=None)):
+            assert loss_scaler.scaler._device == expected and loss_scaler.scaler.is_enabled()
 
 
 def test_timms_call_shapes_choose_the_device():

@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
+from .. import _markdown
 from ..fp8._rules import ALL_FP8_DTYPES as _FP8_DTYPES
 
 __all__ = ["PrecisionCensus", "OpCount"]
@@ -188,14 +189,10 @@ class PrecisionCensus:
         rows = sorted(self.counts.items(), key=lambda kv: (-kv[1].flops, -kv[1].calls, kv[0][0]))
         if limit is not None:
             rows = rows[:limit]
-        lines = [
-            "| op | dtype | calls | FLOPs | cast bytes |",
-            "|---|---|---:|---:|---:|",
+        cells = [
+            [op, str(dtype).replace("torch.", "") if dtype is not None else "-", c.calls,
+             _human_count(c.flops) if c.flops else "", _human_bytes(c.cast_bytes) if c.cast_bytes else ""]
+            for (op, dtype), c in rows
         ]
-        for (op, dtype), c in rows:
-            dtype_name = str(dtype).replace("torch.", "") if dtype is not None else "-"
-            lines.append(
-                f"| {op} | {dtype_name} | {c.calls} | {_human_count(c.flops) if c.flops else ''} | "
-                f"{_human_bytes(c.cast_bytes) if c.cast_bytes else ''} |"
-            )
-        return "\n".join(lines + ["", self.summary()])
+        head = ["op", "dtype", "calls", "FLOPs", "cast bytes"]
+        return _markdown.table(head, cells, align="llrrr") + "\n\n" + self.summary()

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .. import _torch_compat
+from .. import _markdown, _torch_compat
 from ..kernels.fp8_scale import F_AMAX, F_INIT, F_PENDING, F_SCALE, F_SHOWN, I_CALLS, I_SATURATED, NO_PENDING
 from ..kernels.fp8_scale import advance_reference, record_, record_reference
 from . import _replay, _state_dict, _step_hooks
@@ -306,13 +306,9 @@ class Recipe:
 
             print(recipe.report_table())
         """
-        lines = ["| site | role | calls | amax | scale | saturated |", "|---|---|---:|---:|---:|---:|"]
-        for r in self.report():
-            for role in ROLES:
-                if role in r.amax:
-                    lines.append(f"| {r.name} | {role} | {r.calls} | {r.amax[role]:.4g} | "
-                                 f"{r.scale[role]:.4g} | {r.saturated[role]} |")
-        return "\n".join(lines)
+        rows = [[r.name, role, r.calls, f"{r.amax[role]:.4g}", f"{r.scale[role]:.4g}", r.saturated[role]]
+                for r in self.report() for role in ROLES if role in r.amax]
+        return _markdown.table(["site", "role", "calls", "amax", "scale", "saturated"], rows, align="llrrrr")
 
     # -- copies ---------------------------------------------------------------------------
     # Pickled as configuration plus the state of named sites, as Python numbers (Lightning

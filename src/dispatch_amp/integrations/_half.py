@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._devices import default_device_type
 from ..autocast.context import autocast
 from ..autocast.policy import Policy
 from ..fp8.recipes import Recipe
@@ -213,12 +214,20 @@ def masters_to_model(pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
             torch._foreach_copy_([low for low, _ in pairs], [master for _, master in pairs])
 
 
+# The accelerators Lightning's accelerator="auto" (and "gpu") picks on its own.
+LIGHTNING_ACCELERATORS = ("cuda", "mps")
+
+
 def default_device() -> str:
-    """The device type a plugin made without ``device=`` uses: cuda, else mps, else cpu."""
-    if torch.cuda.is_available():
-        return "cuda"
-    mps = getattr(torch.backends, "mps", None)
-    return "mps" if mps is not None and mps.is_available() else "cpu"
+    """The device type a plugin made without ``device=`` uses, the one Lightning's
+    ``accelerator="auto"`` picks: this machine's CUDA or MPS device, else cpu.
+
+    Example::
+
+        >>> default_device() in ("cuda", "mps", "cpu")
+        True
+    """
+    return default_device_type(among=LIGHTNING_ACCELERATORS)
 
 
 class LevelPrecision:

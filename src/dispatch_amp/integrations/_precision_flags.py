@@ -10,9 +10,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-import torch
-
-from ._half import TRUE_PRECISIONS
+from .._devices import device_available
+from ._half import TRUE_PRECISIONS, default_device
 
 # Lightning's spellings of the mixed precisions, as its connectors unify them.
 MIXED = {"16-mixed": "16-mixed", "16": "16-mixed", 16: "16-mixed", "bf16-mixed": "bf16-mixed", "bf16": "bf16-mixed"}
@@ -70,25 +69,6 @@ def check_amp_keywords(precision: Any, ours: str | None, **amp: Any) -> None:
         )
 
 
-def device_available(device: str) -> bool:
-    """Whether this machine has the device type (what Lightning's accelerator checks see).
-
-    Example::
-
-        >>> device_available("cpu")
-        True
-    """
-    if device == "cpu":
-        return True
-    if device == "cuda":
-        return torch.cuda.is_available()
-    if device == "mps":
-        mps = getattr(torch.backends, "mps", None)
-        return mps is not None and mps.is_available()
-    xpu = getattr(torch, "xpu", None)
-    return device == "xpu" and xpu is not None and xpu.is_available()
-
-
 def autocast_device(owner: str, accelerator: Any) -> str | None:
     """The autocast device type of Lightning's ``accelerator`` argument (a name or an
     accelerator object), or None when this machine lacks that device: Lightning then
@@ -103,12 +83,12 @@ def autocast_device(owner: str, accelerator: Any) -> str | None:
         'cpu'
     """
     if accelerator is None or (isinstance(accelerator, str) and accelerator == "auto"):
-        # Lightning's choice among these three, in the order it would find them here.
-        return next(d for d in ("cuda", "mps", "cpu") if device_available(d))
+        return default_device()  # Lightning's choice: CUDA or MPS where there is one, else the CPU
     if isinstance(accelerator, str):
         name = accelerator.lower()
-        if name == "gpu":  # Lightning takes MPS, else CUDA, for "gpu"
-            return next((d for d in ("mps", "cuda") if device_available(d)), None)
+        if name == "gpu":  # Lightning takes MPS or CUDA for "gpu", never the CPU
+            found = default_device()
+            return None if found == "cpu" else found
         if name in _DEVICES:
             return name if device_available(name) else None
     elif callable(getattr(accelerator, "name", None)) and callable(getattr(accelerator, "is_available", None)):

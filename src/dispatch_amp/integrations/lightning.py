@@ -131,7 +131,8 @@ class HalfPrecision(LevelPrecision, _LightningHalfPrecision):
 
     Args:
         precision: ``"16-true"`` (float16 weights) or ``"bf16-true"`` (bfloat16 weights).
-        device: the device type of the loss scaler and autocast; default cuda, else mps, else cpu.
+        device: the device type of the loss scaler and autocast; default: the machine's CUDA or MPS
+            device, as Lightning picks it (``torch.accelerator``), else cpu.
         opt_level: ``"O3"`` (default: every weight in 16 bits, no loss scale: Lightning's own
             ``HalfPrecision``, bit for bit) or ``"O2"`` (batch norms float32, float32 master
             weights that the optimizer updates, dynamic loss scale).

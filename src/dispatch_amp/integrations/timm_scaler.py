@@ -10,8 +10,8 @@ and checkpoints it under ``loss_scaler.state_dict_key``. timm's own class always
         loss = loss_fn(model(x), y)
     loss_scaler(loss, optimizer, clip_grad=1.0, clip_mode="agc", parameters=model.parameters())
 
-``NativeScaler()`` without a device builds a GradScaler for ``"cuda"`` where CUDA is
-available and for ``"cpu"`` elsewhere. Clip modes are timm's: ``"norm"``, ``"value"`` and
+``NativeScaler()`` without a device builds a GradScaler for the machine's accelerator
+(``torch.accelerator``: CUDA, MPS, XPU...) where there is one and for ``"cpu"`` elsewhere. Clip modes are timm's: ``"norm"``, ``"value"`` and
 ``"agc"`` (adaptive gradient clipping).
 
 It needs no timm: importing this module imports nothing beyond torch.
@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .._devices import default_device_type
 from ..scaler.grad_scaler import GradScaler
 from . import _fp8_state
 
@@ -74,22 +75,17 @@ def _clip(parameters: Iterable[torch.nn.Parameter] | torch.Tensor, value: float,
         _adaptive_clip_(parameters, value)
 
 
-def _default_device() -> str:
-    # torch's GradScaler defaults to "cuda", which on a machine without CUDA is a disabled
-    # scaler and a warning: a loop that then trains in float16 without loss scaling.
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 class NativeScaler:
     """timm-style loss scaler: ``scaler(loss, optimizer, clip_grad=None, ...)`` does backward, clip, step.
 
     Args:
         scaler: the GradScaler to drive; default ``dispatch_amp.GradScaler(device)``.
         device: the device type of the default GradScaler (timm's ``NativeScaler(device=...)``;
-            a string or ``torch.device``). ``None`` (the default): ``"cuda"`` if
-            ``torch.cuda.is_available()``, else ``"cpu"``. An explicit ``"cuda"`` without
-            CUDA gives torch's reaction: a warning and a disabled scaler. timm's positional
-            ``NativeScaler("cpu")`` is read as ``device="cpu"``.
+            a string or ``torch.device``). ``None`` (the default): this machine's accelerator
+            (``torch.accelerator``: ``"cuda"``, ``"mps"``, ``"xpu"``...), else ``"cpu"``.
+            An explicit ``"cuda"`` without CUDA gives torch's reaction: a warning and a
+            disabled scaler. timm's positional ``NativeScaler("cpu")`` is read as
+            ``device="cpu"``.
         fp8: the fp8 recipe the loop's autocast uses, if any: its state then travels in this
             scaler's state dict (timm's script saves and resumes it with no change).
 
@@ -104,7 +100,7 @@ class NativeScaler:
         >>> loss_scaler(model(torch.ones(1, 2)).sum(), opt, clip_grad=1.0, parameters=model.parameters())
         >>> loss_scaler.state_dict()["scale"]
         4.0
-        >>> NativeScaler().scaler.is_enabled()      # "cuda" where available, else "cpu"
+        >>> NativeScaler().scaler.is_enabled()      # on the machine's accelerator, else "cpu"
         True
     """
 
@@ -127,7 +123,9 @@ class NativeScaler:
                 "(GradScaler(device, ...)) and pass it alone"
             )
         if scaler is None:
-            device = _default_device() if device is None else torch.device(device).type
+            # Not torch's default "cuda": on a machine without CUDA that is a disabled scaler
+            # and a warning, a loop that then trains in float16 without loss scaling.
+            device = default_device_type() if device is None else torch.device(device).type
             scaler = GradScaler(device)
         self._scaler = scaler
         self.fp8 = fp8
