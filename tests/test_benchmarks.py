@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import dispatch_amp as amp
+
 REPO = Path(__file__).resolve().parents[1]
 # Only a guard against a hang: a loaded CI machine may take many times the usual minute.
 HANG_GUARD_S = 1800
@@ -84,3 +86,28 @@ def test_no_tf32_turns_tf32_off_and_restores_the_settings_before():
     finally:
         torch.set_float32_matmul_precision(before[0])
         torch.backends.cudnn.allow_tf32 = before[1]
+
+
+def test_host_cost_breakdown_swaps_the_lower_calls_and_restores_them():
+    from dispatch_amp.autocast import _handlers, _routing
+
+    from benchmarks.suites import host_cost
+
+    plan = _routing.plan_for(amp.Policy.for_device("cpu"), "cpu")
+    a = torch.ones(2, 2)
+    with amp.autocast("cpu"):
+        torch.mm(a, a)  # the plan now has mm's handler
+    before = dict(plan.handlers)
+    seen = []
+
+    def recording(ctx, st, op, keyset, args, kwargs):
+        seen.append(str(op))
+        return host_cost._bare_casts(ctx, st, op, keyset, args, kwargs)
+
+    with host_cost._lower_calls_as(recording), amp.autocast("cpu"):
+        out = torch.mm(a, a)
+    assert seen == ["aten.mm.default"] and out.dtype == torch.bfloat16
+    assert plan.handlers == before and _handlers.lower in before.values()
+    with amp.autocast("cpu"):
+        torch.mm(a, a)
+    assert seen == ["aten.mm.default"]

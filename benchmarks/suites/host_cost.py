@@ -15,6 +15,11 @@ structure at trivial widths, and how often the engine's Python runs:
 3. Gradient accumulation (4 micro-batches, one optimizer step) and an eval loop (8
    forwards under no_grad, each in its own region): ours, and ours inside
    ``dispatch_amp.cast_cache()``, against native.
+4. Where the added time per forward goes: ours again with the built-in policy's
+   ``lower`` calls swapped, in this process, for native's C++ casts behind our kernel
+   (what entering a Python kernel costs) and for bare Python casts without native's rules
+   or the weight cache (what casting from Python costs); the rest is the rules and the
+   cache.
 
 Targets (this CPU, medians of interleaved runs): added per forward <= 0.5 ms (GPT-2
 structure), <= 0.35 ms (ResNet-50 structure); MLP training step <= 1.05x native; 0
@@ -34,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 import dispatch_amp
+from dispatch_amp.autocast import _handlers, _routing
 
 from ..models import GPT, GPTConfig, ResidualMLP, ResNet, gpt_batch
 from ..timing import interleaved, ratio_stats
@@ -126,9 +132,9 @@ def _region(mode: str):
     return dispatch_amp.autocast("cpu", dtype=torch.bfloat16)
 
 
-def _interleaved(fns: dict, calls: int, rounds: int) -> dict[str, list[float]]:
+def _interleaved(fns: dict, calls: int, rounds: int, inside=None) -> dict[str, list[float]]:
     """Milliseconds per call, interleaved after a warm-up sample (memos, kernel registration, caches)."""
-    return {name: [t * 1e3 for t in v] for name, v in interleaved(fns, rounds, calls=calls).items()}
+    return {name: [t * 1e3 for t in v] for name, v in interleaved(fns, rounds, calls=calls, inside=inside).items()}
 
 
 def _forward(model, batch, mode):
@@ -167,6 +173,74 @@ def _eval_loop(model, batches, mode, keep_casts: bool):
                 with _region(mode):
                     _loss(model, batch)
     return run
+
+
+# -- where the added time goes: the built-in policy's `lower` handler swapped, in-process ------
+_OUR_KEY = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)
+
+
+def _native_casts(ctx, st, op, keyset, args, kwargs):
+    """Our kernel entered, then the call handed to native autocast below our key: what
+    entering a Python kernel costs, with native's casts in C++."""
+    with torch._C._ExcludeDispatchKeyGuard(_OUR_KEY):
+        return op._op(*args, **kwargs)
+
+
+def _bare_casts(ctx, st, op, keyset, args, kwargs):
+    """Every float32 tensor argument cast in Python, without native's rules or the weight
+    cache: the floor of casting from Python."""
+    args = [a.bfloat16() if isinstance(a, torch.Tensor) and a.dtype is torch.float32 else a for a in args]
+    with torch._C._DisableAutocast():
+        return op._op(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _lower_calls_as(replacement):
+    """Inside: the built-in CPU policy's ``lower`` calls go to ``replacement`` (a
+    measurement only: the plan is the engine's memoized one, restored on exit)."""
+    plan = _routing.plan_for(dispatch_amp.Policy.for_device("cpu"), "cpu")
+    saved = dict(plan.handlers)
+    try:
+        for key, handler in saved.items():
+            if handler is _handlers.lower:
+                plan.handlers[key] = replacement
+        yield
+    finally:
+        plan.handlers.update(saved)
+
+
+_VARIANTS = {"native casts": _native_casts, "bare casts": _bare_casts}
+
+
+def breakdown(rounds: int, calls: int, models=("GPT-2 structure", "ResNet-50 structure")) -> Table:
+    """Where the host time ours adds per forward goes, from three variants of ours timed
+    interleaved with native: kernel entry (our kernel called, native's casts), casting from
+    Python (bare casts, no rules, no cache) and native's rules with the weight cache."""
+    table = Table(
+        f"host-cost: where the added time per forward+loss goes (ms; {rounds} interleaved rounds of {calls} "
+        f"calls, medians of per-round differences from native)",
+        [("model", "model", "{}"), ("casts", "calls cast", "{}"), ("added_ms", "added", "{:+.3f}"),
+         ("entry_ms", "kernel entry", "{:+.3f}"), ("python_casts_ms", "casts from Python", "{:+.3f}"),
+         ("rules_ms", "rules + weight cache", "{:+.3f}"), ("entry_us_per_call", "entry per call (us)", "{:.1f}")],
+        note="kernel entry: ours with each cast call handed to native autocast's C++ casts; casts from Python: "
+             "ours casting every float32 argument without rules or cache, minus kernel entry; rules + weight "
+             "cache: the rest of ours. Measurement variants only, swapped in this process.",
+    )
+    for name in models:
+        model, batch = MODELS[name]()
+        _, cast, _ = entries_per_forward(model, batch)
+        fns = {m: _forward(model, batch, m) for m in ("native", "ours")}
+        fns.update({v: _forward(model, batch, "ours") for v in _VARIANTS})
+        samples = _interleaved(fns, calls, rounds,
+                               inside=lambda n: _lower_calls_as(_VARIANTS[n]) if n in _VARIANTS else contextlib.nullcontext())
+        added = {n: _median_diff(samples[n], samples["native"]) for n in ("ours", *_VARIANTS)}
+        table.rows.append({
+            "model": name, "casts": cast, "added_ms": added["ours"], "entry_ms": added["native casts"],
+            "python_casts_ms": added["bare casts"] - added["native casts"],
+            "rules_ms": added["ours"] - added["bare casts"],
+            "entry_us_per_call": added["native casts"] / cast * 1e3 if cast else float("nan"),
+        })
+    return table
 
 
 def _met(ok: bool) -> str:
@@ -300,4 +374,5 @@ def run(opts) -> list[Table]:
                 "kept_ms": statistics.median(samples["kept"]), "kept_ratio": kept,
                 "target": f"kept < {target:.2f}", "met": _met(kept < target),
             })
-    return [forward, compiled, repeated]
+    where = breakdown(rounds, calls, ("MLP 24 x 64",) if quick else ("GPT-2 structure", "ResNet-50 structure"))
+    return [forward, where, compiled, repeated]
