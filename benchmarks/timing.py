@@ -53,6 +53,20 @@ def _check(fns: dict, rounds: int, warmup: int, calls: int) -> None:
                          f"calls={calls}")
 
 
+def _rounds(sample: Callable[[str], float], names: Iterable[str], rounds: int, warmup: int) -> dict[str, list[float]]:
+    """``warmup`` untimed samples of each name, then one sample per name per round, in
+    rotated order: the loop both clocks share."""
+    names = list(names)
+    for name in names:
+        for _ in range(warmup):
+            sample(name)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for order in rotations(names, rounds):
+        for name in order:
+            samples[name].append(sample(name))
+    return samples
+
+
 def interleaved(fns: dict[str, Callable[[], object]], rounds: int, *, warmup: int = 1, calls: int = 1,
                 setup: Callable[[str], object] | None = None,
                 inside: Callable[[str], contextlib.AbstractContextManager] | None = None) -> dict[str, list[float]]:
@@ -81,14 +95,7 @@ def interleaved(fns: dict[str, Callable[[], object]], rounds: int, *, warmup: in
                 fn()
             return (clock() - start) / calls
 
-    for name in fns:
-        for _ in range(warmup):
-            sample(name)
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for order in rotations(fns, rounds):
-        for name in order:
-            samples[name].append(sample(name))
-    return samples
+    return _rounds(sample, fns, rounds, warmup)
 
 
 def interleaved_events(fns: dict[str, Callable[[], object]], rounds: int, *, warmup: int = 1,
@@ -113,14 +120,7 @@ def interleaved_events(fns: dict[str, Callable[[], object]], rounds: int, *, war
         end.synchronize()
         return start.elapsed_time(end) / 1e3 / calls
 
-    for name in fns:
-        for _ in range(warmup):
-            sample(name)
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for order in rotations(fns, rounds):
-        for name in order:
-            samples[name].append(sample(name))
-    return samples
+    return _rounds(sample, fns, rounds, warmup)
 
 
 def once(fn: Callable[[], object]) -> float:
