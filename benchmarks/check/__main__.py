@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.run import write_csv
-from dispatch_amp._devices import device_available
 from benchmarks.suites import common
+from dispatch_amp._devices import device_available
 
 from . import environment
 from .settings import Settings

@@ -12,6 +12,7 @@ import subprocess
 import torch
 
 from benchmarks.suites.common import REPO
+from dispatch_amp._devices import device_available
 
 
 def _run(cmd: list[str]) -> str | None:
@@ -43,7 +44,7 @@ def lines() -> list[str]:
     if _run(["git", "status", "--porcelain", "--untracked-files=no"]):
         commit += " (with local changes)"
     out.append(f"- commit: {commit}")
-    if torch.cuda.is_available():
+    if device_available("cuda"):
         p = torch.cuda.get_device_properties(torch.cuda.current_device())
         out.append(f"- GPU: {p.name}, {p.total_memory / 2**30:.1f} GiB, {p.multi_processor_count} SMs, "
                    f"compute capability {p.major}.{p.minor}")

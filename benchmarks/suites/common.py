@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from dispatch_amp import _markdown
+from dispatch_amp._devices import device_available
 
 REPO = Path(__file__).resolve().parents[2]  # children run `python -m benchmarks.run` from here
 
@@ -157,6 +158,6 @@ def run_children(cmds: dict, concurrent: bool = False, timeout: float = 600) -> 
 
 def gpu_memory_gib() -> float:
     """The current CUDA device's memory in GiB (0 without CUDA)."""
-    if not torch.cuda.is_available():
+    if not device_available("cuda"):
         return 0.0
     return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30

@@ -11,8 +11,8 @@ and checkpoints it under ``loss_scaler.state_dict_key``. timm's own class always
     loss_scaler(loss, optimizer, clip_grad=1.0, clip_mode="agc", parameters=model.parameters())
 
 ``NativeScaler()`` without a device builds a GradScaler for the machine's accelerator
-(``torch.accelerator``: CUDA, MPS, XPU...) where there is one and for ``"cpu"`` elsewhere. Clip modes are timm's: ``"norm"``, ``"value"`` and
-``"agc"`` (adaptive gradient clipping).
+(``torch.accelerator``: CUDA, MPS, XPU...) where there is one and for ``"cpu"`` elsewhere.
+Clip modes are timm's: ``"norm"``, ``"value"`` and ``"agc"`` (adaptive gradient clipping).
 
 It needs no timm: importing this module imports nothing beyond torch.
 """
