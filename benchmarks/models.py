@@ -1,4 +1,4 @@
-"""Small reference models shared by the benchmark suites and tests/test_models.py.
+"""Small reference models shared by the benchmark suites and tests/autocast/test_models.py.
 
 Plain ``torch.nn`` code, nothing from dispatch_amp: the same definitions run under native
 ``torch.autocast`` and under ``dispatch_amp.autocast`` so the two can be compared.

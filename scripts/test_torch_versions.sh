@@ -12,7 +12,7 @@
 # unchanged. Environment:
 #   VENV_ROOT    where the environments go (default: a temporary folder, removed at the end)
 #   KEEP_VENVS=1 keep them (to rerun tests in one: VENV_ROOT/<version>/bin/python -m pytest)
-#   PYTEST_ARGS  extra pytest arguments (e.g. "tests/test_policy.py")
+#   PYTEST_ARGS  extra pytest arguments (e.g. "tests/autocast/test_policy.py")
 #   LOG_DIR      where each version's install and pytest logs go (default: VENV_ROOT/logs)
 set -uo pipefail
 cd "$(dirname "$0")/.."

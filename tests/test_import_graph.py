@@ -3,6 +3,10 @@
 Every ``from . import`` / ``from .x import`` counts, inside functions and under
 ``TYPE_CHECKING`` too: a circle that only a type hint or a late import closes still ties
 the modules together, and the next top-level import turns it into an ImportError.
+
+Importing ``autocast.context`` from outside ``autocast/`` runs ``autocast/__init__.py``
+first, so it counts as importing that package too. The parts (the subpackages and the
+top-level modules) form layers as well: no part imports a part that imports it.
 """
 
 from __future__ import annotations
@@ -35,8 +39,25 @@ def _imports(package_dir: pathlib.Path = PACKAGE) -> dict[str, set[str]]:
                 for candidate in (f"{target}.{alias.name}".strip("."), target):
                     if candidate in graph and candidate != name:
                         graph[name].add(candidate)
+                        graph[name].update(p for p in _packages_above(candidate) - _packages_above(name) - {name} if p in graph)
                         break
     return graph
+
+
+def _packages_above(module: str) -> set[str]:
+    """The packages whose ``__init__`` runs before ``module`` does (the root excluded)."""
+    parts = module.split(".")
+    return {".".join(parts[:k]) for k in range(1, len(parts))}
+
+
+def _parts(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The graph between the package's parts: its subpackages and top-level modules."""
+    parts: dict[str, set[str]] = {}
+    for module, imported in graph.items():
+        if module:
+            part = module.split(".")[0]
+            parts.setdefault(part, set()).update(c.split(".")[0] for c in imported if c and c.split(".")[0] != part)
+    return parts
 
 
 def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -65,6 +86,13 @@ def test_no_module_imports_one_that_imports_it():
     assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
 
 
+def test_no_part_imports_a_part_that_imports_it():
+    parts = _parts(_imports())
+    assert {"autocast", "scaler", "diagnostics", "fp8", "integrations"} <= set(parts)
+    circles = _circles(parts)
+    assert not circles, "circles between parts: " + "; ".join(" -> ".join(c) for c in circles)
+
+
 def test_the_walker_sees_late_and_type_hint_imports(tmp_path):
     (tmp_path / "__init__.py").write_text("from .low import x\n")
     (tmp_path / "low.py").write_text(
@@ -76,3 +104,24 @@ def test_the_walker_sees_late_and_type_hint_imports(tmp_path):
     graph = _imports(tmp_path)
     assert graph["low"] == {"high"} and graph["high"] == {"low"} and graph["sub.leaf"] == {"low"}
     assert _circles(graph) == [["high", "low", "high"]]
+
+
+def test_the_walker_counts_the_packages_a_module_import_runs(tmp_path):
+    # a.inner imports b.leaf, which runs b/__init__ (which imports a.other): a circle
+    # between the parts, and between the modules too once b/__init__ counts.
+    for package in ("a", "b"):
+        (tmp_path / package).mkdir()
+    (tmp_path / "__init__.py").write_text("")
+    (tmp_path / "a" / "__init__.py").write_text("from .inner import x\n")
+    (tmp_path / "a" / "inner.py").write_text("from ..b.leaf import y\nx = y\n")
+    (tmp_path / "a" / "other.py").write_text("z = 1\n")
+    (tmp_path / "b" / "__init__.py").write_text("from ..a.other import z\n")
+    (tmp_path / "b" / "leaf.py").write_text("from . import sibling\ny = 1\n")
+    (tmp_path / "b" / "sibling.py").write_text("")
+    graph = _imports(tmp_path)
+    # A sibling import runs no package __init__ that has not run already.
+    assert graph["b.leaf"] == {"b.sibling"}
+    assert graph["a.inner"] == {"b.leaf", "b"} and graph["b"] == {"a.other", "a"}
+    assert _parts(graph) == {"a": {"b"}, "b": {"a"}}
+    assert _circles(_parts(graph)) == [["a", "b", "a"]]
+    assert _circles({m: {c for c in cs if c} for m, cs in graph.items()}) == [["a", "a.inner", "b", "a"]]

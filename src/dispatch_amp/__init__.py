@@ -41,22 +41,23 @@ __all__ = [
     "fp8",
 ]
 
+# Loading the subpackage ``autocast`` binds it here under that name; this import then
+# rebinds ``autocast`` to the public context. That binding stays: a later import of one of
+# the subpackage's modules finds the subpackage in sys.modules and binds nothing here.
 from .autocast import (  # noqa: E402
     CompileFallbackWarning,
+    Policy,
     autocast,
+    cast_cache,
+    checkpoint,
     clear_autocast_cache,
+    custom_bwd,
+    custom_fwd,
     get_autocast_dtype,
     is_autocast_enabled,
 )
-from .policy import Policy  # noqa: E402
-from ._cast_cache import cast_cache  # noqa: E402
-from .checkpoint import checkpoint  # noqa: E402
-from .custom_function import custom_bwd, custom_fwd  # noqa: E402
-from .grad_scaler import GradScaler, OptState  # noqa: E402
-from .scaler_diagnostics import AmpNumericsWarning, NonFiniteGradient, OverflowReport  # noqa: E402
-from .plotting import plot_training  # noqa: E402
-from .census import PrecisionCensus  # noqa: E402
-from .tracing import NonFiniteTracer  # noqa: E402
+from .scaler import AmpNumericsWarning, GradScaler, NonFiniteGradient, OptState, OverflowReport  # noqa: E402
+from .diagnostics import NonFiniteTracer, PrecisionCensus, plot_training  # noqa: E402
 from .opt_levels import (  # noqa: E402
     OptLevelProperties,
     initialize,
@@ -68,3 +69,6 @@ from .opt_levels import (  # noqa: E402
 )
 from .torch_patch import patch_torch  # noqa: E402
 from . import fp8  # noqa: E402
+from . import _pickled_paths  # noqa: E402
+
+_pickled_paths.register(__name__)  # scalers and policies pickled before the parts existed

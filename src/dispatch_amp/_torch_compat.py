@@ -10,11 +10,11 @@ What each is for:
 - the function-mode stack (``_len_torch_function_stack``, ``_get_function_stack_at``,
   ``_pop_torch_function_stack``, ``_push_on_torch_function_stack``): a region takes the
   fp8 level off the stack from wherever it is, not from the top
-  (``_engine._take_off_function_stack``), and puts it back where torch emptied the stack
-  (an autograd Function's backward);
+  (``_take_off_function_stack`` in ``autocast/_engine.py``), and puts it back where torch
+  emptied the stack (an autograd Function's backward);
 - the thread's dispatch-key sets (``_dispatch_tls_set_dispatch_key_included`` and
   ``..._excluded``) and ``torch.library``'s fallthrough: our autocast key
-  (``_dispatch_key.py``);
+  (``autocast/_dispatch_key.py``);
 - Dynamo's frame hook (``set_eval_frame``) and ``skip_code``: our own frames are kept out
   of Dynamo (see ``keep_out_of_dynamo``); ``assume_constant_result``: the fp8 tracing path
   asks our thread state once, at trace time; Dynamo's compile-start and -end callbacks
@@ -23,8 +23,9 @@ What each is for:
   telling whether torch's checkpoint is running, to refuse it under a custom policy;
 - ``Tensor._is_view``: native's weight-cast cache skips views, and so does ours;
 - ``_dispatch_get_registrations_for_dispatch_key``: the ops native autocast handles in
-  the installed torch, which the built-in policies follow (``policy._builtin_table``) and
-  which get a kernel of ours under a policy of our own (``_routing.Plan``).
+  the installed torch, which the built-in policies follow (``_builtin_table`` in
+  ``autocast/policy.py``) and which get a kernel of ours under a policy of our own
+  (``Plan`` in ``autocast/_routing.py``).
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ except ImportError:
     set_eval_frame = skip_code = assume_constant_result = None
 
 # Dynamo's frame hook off and back on around code of ours (two C calls, what
-# torch._dynamo.disable does; see "Note: Dynamo and our frames" in _engine.py):
+# torch._dynamo.disable does; see "Note: Dynamo and our frames" in autocast/_engine.py):
 # ``hook = disarm_dynamo()`` ... ``rearm_dynamo(hook)``. A partial is called from C:
 # cheaper than a lambda on a path that runs for every call it covers.
 disarm_dynamo = functools.partial(set_eval_frame, None) if set_eval_frame is not None else None
@@ -173,7 +174,7 @@ def keep_out_of_dynamo(namespace: dict, module_name: str) -> None:
     Code after a graph break in a compiled function runs eagerly with Dynamo's frame hook
     armed, and the engine's frames would be compiled as user frames: specialized for
     tracing, broken at every C call. Dynamo still inlines them when it traces a call
-    under the fp8 level (see "Note: torch.compile" in ``_engine.py``).
+    under the fp8 level (see "Note: torch.compile" in ``autocast/_engine.py``).
     """
     for value in list(namespace.values()):
         functions = [value]

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import GradScaler, autocast
-from .census import PrecisionCensus
-from .plotting import _pyplot, draw_scales
+from .diagnostics.census import PrecisionCensus
+from .diagnostics.plotting import _pyplot, draw_scales
 
 __all__ = ["main", "CharGPT", "load_corpus"]
 

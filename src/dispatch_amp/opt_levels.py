@@ -84,9 +84,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .autocast import autocast, device_dtypes
-from .grad_scaler import GradScaler
-from .scaler_config import is_real
+from .autocast.context import autocast, device_dtypes
+from .scaler.config import is_real
+from .scaler.grad_scaler import GradScaler
 
 __all__ = ["OptLevelProperties", "initialize", "scale_loss", "master_params", "loss_scalers", "state_dict", "load_state_dict"]
 

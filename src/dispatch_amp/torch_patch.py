@@ -52,10 +52,10 @@ import weakref
 import torch
 import torch.amp.autocast_mode
 
-from .autocast import _usable, _with_fp8, autocast
-from .grad_scaler import GradScaler as _OurGradScaler
+from .autocast.context import _usable, _with_fp8, autocast
+from .autocast.policy import BUILTIN_DEVICES, Policy
 from .fp8.recipes import Recipe
-from .policy import BUILTIN_DEVICES, Policy
+from .scaler.grad_scaler import GradScaler as _OurGradScaler
 from .warning_types import AmpNumericsWarning
 
 __all__ = ["patch_torch", "TorchPatch"]
@@ -454,6 +454,6 @@ def patch_torch(policy: Policy | None = None, fp8: Recipe | None = None) -> Torc
         ...         loss = torch.nn.Linear(4, 1)(torch.randn(2, 4)).float().sum()
         ...     scaler.scale(loss).backward()
         >>> type(scaler).__mro__[1].__module__, scaler.get_scale()
-        ('dispatch_amp.grad_scaler', 8.0)
+        ('dispatch_amp.scaler.grad_scaler', 8.0)
     """
     return TorchPatch(policy, fp8)

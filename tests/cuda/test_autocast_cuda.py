@@ -3,11 +3,11 @@
 On CPU-only machines the CUDA policy is checked on CPU tensors against the dtypes written
 from native's lists; here native itself is the reference, bit for bit:
 
-- every AutocastCUDA registration that ``tests/test_native_registrations.py`` reaches with
-  a call, in float16 and bfloat16, without and with gradients;
-- every model, loss and composite case of ``tests/test_models.py`` (outputs, loss, every
-  parameter gradient), in float16 and bfloat16;
-- the Hugging Face models of ``tests/test_transformers_models.py``, plain and checkpointed;
+- every AutocastCUDA registration that ``tests/autocast/test_native_registrations.py``
+  reaches with a call, in float16 and bfloat16, without and with gradients;
+- every model, loss and composite case of ``tests/autocast/test_models.py`` (outputs, loss,
+  every parameter gradient), in float16 and bfloat16;
+- the Hugging Face models of ``tests/autocast/test_transformers_models.py``, plain and checkpointed;
 - torch.compile with inductor under the built-in policy (against native compiled) and
   under a custom policy (against ours eager);
 - the opt levels O1 to O3 in float16, and the fp8 linear (cuBLAS fp8 gemms, Triton casts).
@@ -44,8 +44,8 @@ def _load(path: pathlib.Path, name: str):
     return module
 
 
-REG = _load(TESTS / "test_native_registrations.py", "_cuda_lane_registrations")
-MODELS = _load(TESTS / "test_models.py", "_cuda_lane_models")
+REG = _load(TESTS / "autocast" / "test_native_registrations.py", "_cuda_lane_registrations")
+MODELS = _load(TESTS / "autocast" / "test_models.py", "_cuda_lane_models")
 
 
 def to_cuda(val):
@@ -228,7 +228,7 @@ def test_cross_entropy_matches_native_cuda(form, dtype):
 def _hf_models():
     pytest.importorskip("transformers")
     # loaded once: the module defines a torch.library namespace, which may exist only once
-    module = sys.modules.get("_cuda_lane_hf") or _load(TESTS / "test_transformers_models.py", "_cuda_lane_hf")
+    module = sys.modules.get("_cuda_lane_hf") or _load(TESTS / "autocast" / "test_transformers_models.py", "_cuda_lane_hf")
     return module.MODELS
 
 

@@ -31,10 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..autocast import autocast
+from ..autocast.context import autocast
+from ..autocast.policy import Policy
 from ..fp8.recipes import Recipe
 from ..opt_levels import OptLevelProperties, _load_into_masters, _ModelAmp, _state_dict_fp32
-from ..policy import Policy
 from ..warning_types import AmpNumericsWarning
 
 TRUE_PRECISIONS: dict[str, torch.dtype] = {"16-true": torch.float16, "bf16-true": torch.bfloat16}

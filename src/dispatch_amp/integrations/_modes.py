@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from ..grad_scaler import GradScaler
+from ..autocast.policy import Policy
 from ..fp8.recipes import Recipe
-from ..policy import Policy
+from ..scaler.grad_scaler import GradScaler
 
 PRECISIONS: dict[str, torch.dtype] = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
 

@@ -38,10 +38,10 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType, convert_outputs_to_fp32
 
-from ..autocast import autocast
-from ..grad_scaler import GradScaler
+from ..autocast.context import autocast
+from ..autocast.policy import BUILTIN_DEVICES, Policy
 from ..fp8.recipes import Recipe
-from ..policy import BUILTIN_DEVICES, Policy
+from ..scaler.grad_scaler import GradScaler
 from .metrics import amp_metrics
 
 __all__ = ["install_amp", "AmpHooks", "log_amp_metrics"]

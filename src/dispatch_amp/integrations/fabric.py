@@ -42,7 +42,7 @@ from lightning.fabric.plugins.precision import HalfPrecision as _FabricHalfPreci
 from lightning.fabric.plugins.precision import MixedPrecision as _FabricMixedPrecision
 from lightning.fabric.plugins.precision import Precision as _FabricPrecision
 
-from ..autocast import autocast
+from ..autocast.context import autocast
 from . import _fp8_state
 from ._half import LevelPrecision, grads_to_masters, swap_masters_into
 from ._modes import PolicyPrecision

@@ -41,7 +41,7 @@ from lightning.pytorch.plugins.precision import HalfPrecision as _LightningHalfP
 from lightning.pytorch.plugins.precision import MixedPrecision as _LightningMixedPrecision
 from lightning.pytorch.plugins.precision import Precision as _LightningPrecision
 
-from ..autocast import autocast
+from ..autocast.context import autocast
 from . import _fp8_state
 from ._half import LevelPrecision, grads_to_masters, swap_masters_into
 from ._modes import PolicyPrecision, precision_dtype

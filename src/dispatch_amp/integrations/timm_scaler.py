@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..grad_scaler import GradScaler
+from ..scaler.grad_scaler import GradScaler
 from . import _fp8_state
 
 __all__ = ["NativeScaler"]

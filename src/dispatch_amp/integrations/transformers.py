@@ -45,8 +45,8 @@ import transformers
 from transformers.trainer import SCALER_NAME
 from transformers.utils import check_torch_load_is_safe
 
+from ..autocast.policy import Policy
 from ..fp8.recipes import Recipe
-from ..policy import Policy
 from . import _fp8_state
 from .accelerate import install_amp
 from .metrics import amp_metrics

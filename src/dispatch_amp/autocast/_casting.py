@@ -1,0 +1,187 @@
+"""How the arguments of one call are cast: native autocast's rules, in Python.
+
+Only floating tensors of the context's device are cast, float64 never; lower-precision
+casts of float32 leaves that require grad (weights) are cached, as native caches them
+(``cast_one``); promote looks inside list arguments. The handlers of ``_handlers.py`` apply
+these per cast kind; the fp8 tracing path (``_tracing_path.py``) shares the rules.
+
+Functions here take the region's context and thread state as plain objects (duck typed):
+``ctx.dtype`` and ``ctx.on_device``; the cache itself is ``_cast_cache.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _torch_compat
+from . import _cast_cache
+from .op_tables import FP8, FP32, FP32_UNLESS_DTYPE, LOWER, PROMOTE, CastKind
+
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+_float32 = torch.float32
+_float64 = torch.float64
+_inference_mode_on = torch.is_inference_mode_enabled
+_cache_on = torch.is_autocast_cache_enabled
+_is_view = _torch_compat.tensor_is_view
+
+
+def first_tensor(args, kwargs):
+    """The first tensor among the arguments (one level inside lists), or None."""
+    return next(iter_tensors(args, kwargs), None)
+
+
+def context_for(active, args, kwargs):
+    """The context (of ``active``) governing an op when several device types have one
+    open: the one of the first tensor's device type, or None."""
+    t = first_tensor(args, kwargs)
+    if t is None:
+        return None
+    device_type = t.device.type
+    for ctx in active:
+        if ctx.device_type == device_type:
+            return ctx
+    return None
+
+
+# Tensor.float()/.half()/.bfloat16() parse their arguments faster than .to(dtype) and
+# record the same cast for autograd.
+_CAST_METHODS = {
+    torch.float32: _Tensor.float,
+    torch.float16: _Tensor.half,
+    torch.bfloat16: _Tensor.bfloat16,
+}
+
+
+def cast_one(t: _Tensor, dtype: torch.dtype, ctx, st):
+    """``t`` cast to ``dtype`` if native autocast would cast it, else ``t`` itself."""
+    # Native rule: only floating tensors of the context's device, never float64.
+    t_dtype = t.dtype
+    if t_dtype is dtype or t_dtype is _float64 or not t.is_floating_point() or not ctx.on_device(t):
+        return t
+    to = _CAST_METHODS.get(dtype)
+    # Native caches lower-precision casts of fp32 leaves that require grad (weights), and
+    # makes each such cast with grad mode on, so one cached cast serves no_grad and grad
+    # mode alike and has requires_grad=True in both (matmul's path choice reads it).
+    # Inference tensors have no version counter, and a cast made under inference_mode is
+    # one: neither is cached (native does not reuse those either). Only plain tensors:
+    # while torch.compile traces, the arguments are fake or functional tensors (and
+    # make_fx switches torch's cache flag off, which is read here as native reads it).
+    if (
+        t.requires_grad
+        and t_dtype is _float32
+        and dtype is ctx.dtype
+        and (t.__class__ is _Parameter or t.__class__ is _Tensor)
+        and t.is_leaf
+        and not _is_view(t)
+        and not t.is_inference()
+        and not _inference_mode_on()
+        and _cache_on()
+    ):
+        return _cast_cache.lookup(t, dtype, to)
+    return to(t) if to is not None else t.to(dtype)
+
+
+def map_tensors(args, dtype, ctx, st):
+    """Casts the tensors in args, looking one level inside lists and tuples."""
+    out = None
+    for i, a in enumerate(args):
+        if isinstance(a, _Tensor):
+            b = cast_one(a, dtype, ctx, st)
+        elif isinstance(a, (list, tuple)) and a and any(isinstance(x, _Tensor) for x in a):
+            b = type(a)(cast_one(x, dtype, ctx, st) if isinstance(x, _Tensor) else x for x in a)
+        else:
+            continue
+        if b is not a:
+            if out is None:
+                out = list(args)
+            out[i] = b
+    return args if out is None else tuple(out)
+
+
+def map_kwargs(kwargs, dtype, ctx, st):
+    """``map_tensors`` for keyword arguments (returns ``kwargs`` itself when nothing changed)."""
+    if not kwargs:
+        return kwargs
+    values = tuple(kwargs.values())
+    new_values = map_tensors(values, dtype, ctx, st)
+    return kwargs if new_values is values else dict(zip(kwargs.keys(), new_values))
+
+
+def iter_tensors(args, kwargs):
+    """The tensors among the arguments, looking one level inside lists and tuples."""
+    for group in (args, kwargs.values()) if kwargs else (args,):
+        for a in group:
+            if isinstance(a, _Tensor):
+                yield a
+            elif isinstance(a, (list, tuple)):
+                for b in a:
+                    if isinstance(b, _Tensor):
+                        yield b
+
+
+def promote_dtype(low: torch.dtype, device_type: str, args, kwargs) -> torch.dtype:
+    """Widest floating dtype among ``low`` and the inputs on ``device_type``; float64 is
+    left out."""
+    widest = low
+    for t in iter_tensors(args, kwargs):
+        d = t.dtype
+        if d is widest or d is _float64 or not t.is_floating_point():
+            continue
+        if t.device.type != device_type:
+            continue
+        widest = torch.promote_types(widest, d)
+    return widest
+
+
+def eligible(t, device_type: str) -> bool:
+    """Native's test for an argument autocast may cast: a floating tensor of the region's
+    device type, not float64."""
+    return (
+        isinstance(t, _Tensor) and t.is_floating_point() and t.dtype is not _float64
+        and t.device.type == device_type
+    )
+
+
+def target_dtype(kind: CastKind, low: torch.dtype, device_type: str, args, kwargs) -> torch.dtype | None:
+    """The dtype ``kind`` casts a call's floating inputs to (None: run as given), with
+    ``low`` the region's lower precision, for the calls the fp8 tracing path casts."""
+    if kind is LOWER or kind is FP8:
+        # fp8 calls the fp8 path does not take run in the region's dtype.
+        return low
+    if kind is FP32:
+        return _float32
+    if kind is FP32_UNLESS_DTYPE:
+        # An explicit dtype argument already says how to accumulate: run as given.
+        if (kwargs and kwargs.get("dtype") is not None) or any(isinstance(a, torch.dtype) for a in args):
+            return None
+        return _float32
+    if kind is PROMOTE:
+        return promote_dtype(low, device_type, args, kwargs)
+    raise AssertionError(f"not a casting CastKind member: {kind!r}")  # pragma: no cover
+
+
+_BCE_MESSAGE = (
+    "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast: "
+    "their input is usually the output of a sigmoid, and in 16-bit precision the log of "
+    "a value rounded to 0 or 1 overflows. Use torch.nn.functional."
+    "binary_cross_entropy_with_logits or torch.nn.BCEWithLogitsLoss, which fuse the sigmoid "
+    "and are safe to autocast; or run this op with the policy's 'banned' entry removed "
+    "(Policy.without_ops('binary_cross_entropy')) or outside autocast, on float32 inputs."
+)
+
+
+def banned_message(name: str) -> str:
+    if "binary_cross_entropy" in name:
+        return _BCE_MESSAGE
+    return (
+        f"{name} is banned under this autocast policy; run it outside autocast or derive "
+        f"a policy without it (Policy.without_ops({name!r}))"
+    )
+
+
+def op_name(func) -> str:
+    return getattr(func, "__name__", None) or str(func)
+
+
+_torch_compat.keep_out_of_dynamo(globals(), __name__)

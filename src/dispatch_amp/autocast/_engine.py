@@ -1,0 +1,463 @@
+"""The casting engine behind ``autocast``: regions, and kernels in the dispatcher.
+
+Note: the engine lives in the dispatcher
+-----------------------------------------
+Native autocast decides in the dispatcher, at its Autocast keys: above autograd (so
+autograd records the casts and saves the low-precision copies), at composite ops before
+they decompose (``linear``, ``conv2d``, ``layer_norm``) and at every op called from
+inside C++ kernels and Python composites alike, with C++ kernels: an op it does not
+cast costs nothing. Our engine sits at the same place. Its kernels are Python functions
+registered with ``torch.library`` at ``AutocastPrivateUse1`` (``_dispatch_key.py``), the
+autocast key of highest priority, so each runs before native's key would:
+
+- a kernel is registered only for the ops some policy in use casts (and, under a policy
+  of our own, the ops native registers, so that native never casts a call in our
+  region); every other op passes our key through a fallthrough, in C++;
+- the key is on only for threads inside an enabled region of ours (the thread's
+  included dispatch keys), so nothing changes anywhere else;
+- a kernel reads the innermost context, casts as its policy says (``_handlers.py``, one
+  handler per cast kind, following native's wrappers) and calls the op again with every
+  autocast key excluded inside it, as native's wrappers do; an op the policy does not
+  cast goes on past the autocast keys for that call only (its insides still reach our
+  kernels).
+
+So only calls that need a cast run Python; calls made inside C++ kernels and inside
+torch's Python composites reach the same kernels; and a compiled graph never calls back:
+while it runs torch excludes every autocast key, ours included, and its casts were
+traced from our kernels when AOTAutograd traced the graph.
+
+Note: torch sees our state as native state
+------------------------------------------
+Code written for torch asks torch, not us, whether autocast is on
+(``torch.is_autocast_enabled``, ``torch.get_autocast_dtype``, ``custom_fwd``,
+``torch.utils.checkpoint``, nn modules' fast paths, library float32 islands). So entering
+``autocast`` sets torch's own thread-local autocast state exactly as ``torch.autocast``
+would (enabled, dtype, cache flag, nesting counter) and exiting restores it. In torch that
+state is also the switch of native casting: native's key for the device type is on while
+autocast is enabled. Native's kernels never act in our region all the same: every op
+native casts has a kernel of ours, above native's, which decides it and runs it with
+the autocast keys excluded.
+
+What torch reports differently: autocast for the device type "privateuseone" reads as
+enabled inside our regions (it is our key's state), and its autocast dtype carries which
+policies are in force (``_tokens.py``). Code on a machine without a PrivateUse1 backend
+has no reason to ask; a process where such a backend is loaded is refused at region
+entry (``_dispatch_key.KeyTaken``).
+
+A native ``torch.autocast`` region opened inside ours raises torch's nesting counter
+above the value our innermost context recorded; our kernels then pass every call on to
+native's key, which gives native's rule for any nesting order: the innermost region wins.
+
+Note: torch.compile
+-------------------
+- Our casts are in the graph: Dynamo runs each op it traces on fake tensors through the
+  dispatcher (our kernels included), and AOTAutograd traces the aten graph through them,
+  so the casts our kernels make become graph nodes. While the compiled graph runs, torch
+  excludes every autocast key: nothing is cast twice and nothing calls our Python.
+- Guards: Dynamo guards every device type's autocast enabled flag and dtype, and each
+  input tensor's dispatch keys with the thread's included keys applied; our key and our
+  token ("privateuseone"'s dtype, one per configuration of policies of one's own) are
+  both seen, so a graph is reused only under the same dtype, enabled state and policies,
+  never outside our region or inside a native one. Not guarded: a native region with the
+  same dtype and enabled state opened inside ours *outside* the compiled function (torch
+  gives its nesting counter no guard); a graph traced without it is reused inside it.
+- AOTAutograd traces the backward under the forward's ambient autocast unless told
+  otherwise; under a policy of our own that would cast the backward, which eagerly runs
+  outside the region, so our region sets it to ``"off"`` while open.
+- AOTAutograd's cache keys a traced graph by the code Dynamo captured and torch's
+  autocast state; under a policy of our own a configuration's token is reused across
+  processes, so compiles under one skip that cache (inductor's, keyed on the traced aten
+  graph with our casts in it, stays on). See ``_compile_hooks``.
+- fp8: while Dynamo traces, the fp8 path runs above the dispatcher (``_Fp8Level`` below,
+  a function mode on torch's stack only while an fp8 region is open), so Dynamo traces it
+  as Python and its state updates become graph.
+- A region entered inside a compiled function: under a built-in policy
+  ``autocast.__enter__``/``__exit__`` trace as torch.autocast's own enter and exit (the
+  region is native autocast with the same dtype and table). Under a policy of our own
+  entering is a graph break (a ``torch.compiler.disable``'d call), Dynamo cannot resume
+  inside a ``with`` of a context manager it does not know, so the function runs eagerly,
+  and ``autocast`` warns once per compiled function (``CompileFallbackWarning``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from dataclasses import dataclass
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .. import _torch_compat
+from . import _cast_cache, _dispatch_key
+from ._state import STATE, DeviceContext, ThreadState
+from ._tokens import BUILTIN_TOKEN, pin_current, token_for
+from ._tracing_path import trace_call
+
+_is_compiling = torch.compiler.is_dynamo_compiling
+_functorch_config = torch._functorch.config
+_increment_nesting = torch.autocast_increment_nesting
+_decrement_nesting = torch.autocast_decrement_nesting
+_set_native_enabled = torch.set_autocast_enabled
+_PU1 = "privateuseone"
+
+
+# -- entering and leaving a context -----------------------------------------------------
+@dataclass(frozen=True)
+class NativeState:
+    """torch's autocast state for one device type, as an entered context found it."""
+
+    device_type: str
+    enabled: bool
+    dtype: torch.dtype
+    cache_enabled: bool
+    # AOTAutograd's autocast for the backward it traces, when the context changed it (a
+    # policy of our own, see "Note: torch.compile"); None otherwise.
+    backward_autocast: object = None
+
+    @classmethod
+    def read(cls, device_type: str, backward_autocast: object = None) -> NativeState:
+        return cls(
+            device_type,
+            torch.is_autocast_enabled(device_type),
+            torch.get_autocast_dtype(device_type),
+            torch.is_autocast_cache_enabled(),
+            backward_autocast,
+        )
+
+
+def enter(ctx: DeviceContext) -> dict[str, DeviceContext]:
+    """Opens ``ctx`` on this thread; returns the region's frame, which :func:`leave` takes.
+
+    torch's state is set as ``torch.autocast.__enter__`` sets it (see "Note: torch sees
+    our state as native state"), then the frame is pushed. An exception part-way (an
+    interrupt, see "Note: interrupts") undoes what was done: the region is not open.
+    """
+    st = STATE
+    if ctx.enabled:
+        _prepare(ctx)
+        _compile_hooks.install()  # again after torch._dynamo.reset(), which drops callbacks
+    changes_backward = ctx.enabled and ctx.custom  # a config read and write cost microseconds
+    saved = NativeState.read(
+        ctx.device_type, _functorch_config.backward_pass_autocast if changes_backward else None
+    )
+    below = len(st.frames)
+    depth = None
+    try:
+        if changes_backward:
+            _functorch_config.backward_pass_autocast = "off"
+        _set_native_enabled(ctx.device_type, ctx.enabled)
+        torch.set_autocast_dtype(ctx.device_type, ctx.dtype)
+        depth = _increment_nesting()
+        torch.set_autocast_cache_enabled(ctx.cache_enabled)
+        frame = dict(current_frame())
+        frame[ctx.device_type] = ctx
+        _push_frame(st, frame, depth, ctx, saved)
+        return frame
+    except BaseException:
+        del st.frames[below:], st.depths[below:], st.owns[below:], st.saved[below:]
+        _uninstall(st, below)
+        _refresh(st)
+        _restore_native(saved, None if depth is None else _decrement_nesting())
+        raise
+
+
+_PREPARED: set = set()
+_PREPARE_LOCK = threading.Lock()
+
+
+def _prepare(ctx: DeviceContext) -> None:
+    """Makes sure the kernels ``ctx``'s plan needs are registered (once per plan)."""
+    plan = ctx.plan
+    if plan in _PREPARED:
+        return
+    with _PREPARE_LOCK:
+        _dispatch_key.ensure_kernels(plan.registered)
+        _PREPARED.add(plan)
+
+
+def leave(frame: dict[str, DeviceContext]) -> None:
+    """Closes the region whose :func:`enter` returned ``frame``.
+
+    That is the innermost region, except when regions are left out of order (a
+    generator that opened one is finished inside a region its caller opened later):
+    then exactly that region goes, wherever it is ("Note: regions left out of order").
+    An exception part-way (an interrupt) finishes closing before it propagates.
+    """
+    st = STATE
+    index = len(st.frames) - 1
+    if index < 0 or st.frames[index] is not frame:
+        for index in range(len(st.frames) - 2, -1, -1):
+            if st.frames[index] is frame:
+                _remove_frame(st, index)
+                return
+        raise RuntimeError("this autocast region is not open on this thread; exit each region once")
+    saved = st.saved[index]
+    remaining = None
+    try:
+        _drop(st, index)
+        _uninstall(st, index)
+        _refresh(st)
+        remaining = _decrement_nesting()
+        _restore_native(saved, remaining)
+    except BaseException:
+        # Every step below is safe to repeat; only the nesting counter is counted.
+        if index < len(st.frames) and st.frames[index] is frame:
+            _drop(st, index)
+        _uninstall(st, index)
+        _refresh(st)
+        if remaining is None:
+            remaining = _decrement_nesting()
+        _restore_native(saved, remaining)
+        raise
+
+
+def is_open(frame: dict[str, DeviceContext]) -> bool:
+    """Whether the region whose :func:`enter` returned ``frame`` is open on this thread."""
+    return any(f is frame for f in STATE.frames)
+
+
+# Note: interrupts
+# ----------------
+# A KeyboardInterrupt can arrive between any two lines of Python. enter() and leave()
+# therefore change state in an order they can undo or finish: enter() records what it
+# is about to install before installing it (a level recorded but not yet pushed is
+# taken off as a no-op) and rolls everything back on any exception; leave() marks each
+# step done only after doing it, and on an exception repeats the steps not marked done
+# before letting the exception go on; _refresh, which sets our key and token from the
+# frames, can run any number of times. So one interrupt leaves a region fully open or
+# fully closed, never torch's state half restored (the autocast object does the same
+# for its own bookkeeping). tests/autocast/test_context.py interrupts every line of both.
+def _restore_native(saved: NativeState, remaining: int | None) -> None:
+    """Puts back torch's state as ``saved`` holds it; ``remaining``: the nesting counter
+    after this region's decrement (0 clears native's cast cache, as torch does)."""
+    if remaining == 0:
+        torch.clear_autocast_cache()
+    _set_native_enabled(saved.device_type, saved.enabled)
+    torch.set_autocast_dtype(saved.device_type, saved.dtype)
+    torch.set_autocast_cache_enabled(saved.cache_enabled)
+    if saved.backward_autocast is not None:
+        _functorch_config.backward_pass_autocast = saved.backward_autocast
+
+
+def _push_frame(
+    st: ThreadState, frame: dict[str, DeviceContext], depth: int, own: DeviceContext, saved: NativeState
+) -> None:
+    if st.fp8_mode is None:
+        st.fp8_mode = _Fp8Level()
+    st.frames.append(frame)
+    st.depths.append(depth)
+    st.owns.append(own)
+    st.saved.append(saved)
+    _refresh(st)
+    index = len(st.frames) - 1
+    # The fp8 level is recorded before it goes on torch's stack (see "Note: interrupts").
+    wants_fp8 = any(ctx.fp8 is not None for ctx in st.active)
+    if st.fp8_level is None and wants_fp8:
+        st.fp8_level, st.fp8_installer = st.fp8_mode, index
+        _torch_compat.push_function_stack(st.fp8_mode)
+    elif wants_fp8 and not _on_function_stack(st.fp8_level):
+        # torch runs an autograd Function's backward with the function-mode stack
+        # emptied: a region opened there (custom_bwd, a backward that re-enters
+        # autocast) puts the level back for its own span.
+        st.fp8_repushers.append(index)
+        _torch_compat.push_function_stack(st.fp8_level)
+
+
+def _drop(st: ThreadState, index: int) -> None:
+    del st.frames[index], st.depths[index], st.owns[index], st.saved[index]
+
+
+# Note: regions left out of order
+# -------------------------------
+# A generator that enters a region and yields hands control back with the region open;
+# if the caller then opens a region of its own and finishes the generator inside it, the
+# generator's region closes while the caller's is innermost. torch.autocast then restores
+# its own saved state under the caller's region, and the caller's exit later restores the
+# generator's state: autocast stays on after both are closed. Ours removes exactly the
+# region that closes: the regions above it keep their own contexts (their frames are
+# rebuilt without it), the next region above of the same device type (and the next one
+# above for the global cache flag and AOTAutograd's setting) will restore what the closed
+# one would have, and the fp8 level it installed passes to the next region above that
+# needs it, or leaves torch's mode stack from wherever it is.
+def _remove_frame(st: ThreadState, index: int) -> None:
+    own, saved = st.owns[index], st.saved[index]
+    top = len(st.frames) - 1
+    same_device = next(
+        (j for j in range(index + 1, top + 1) if st.owns[j].device_type == own.device_type), None
+    )
+    if same_device is None:  # nothing above sets this device's state: it returns now
+        _set_native_enabled(own.device_type, saved.enabled)
+        torch.set_autocast_dtype(own.device_type, saved.dtype)
+    else:
+        st.saved[same_device] = dataclasses.replace(
+            saved, backward_autocast=st.saved[same_device].backward_autocast
+        )
+    st.saved[index + 1] = dataclasses.replace(st.saved[index + 1], cache_enabled=saved.cache_enabled)
+    if saved.backward_autocast is not None:
+        changed_too = next(
+            (j for j in range(index + 1, top + 1) if st.saved[j].backward_autocast is not None), None
+        )
+        if changed_too is None:
+            _functorch_config.backward_pass_autocast = saved.backward_autocast
+        else:
+            st.saved[changed_too] = dataclasses.replace(
+                st.saved[changed_too], backward_autocast=saved.backward_autocast
+            )
+    _decrement_nesting()  # a region above is still open: never the outermost
+    _drop(st, index)
+    for j in range(index, len(st.frames)):
+        st.depths[j] -= 1
+        frame = st.frames[j]  # rebuilt in place: it is also that region's handle
+        frame.clear()
+        if j:
+            frame.update(st.frames[j - 1])
+        frame[st.owns[j].device_type] = st.owns[j]
+    if index in st.fp8_repushers:
+        _take_off_function_stack(st.fp8_mode)
+        st.fp8_repushers.remove(index)
+    st.fp8_repushers[:] = [j - 1 if j > index else j for j in st.fp8_repushers]
+    if st.fp8_installer > index:
+        st.fp8_installer -= 1
+    elif st.fp8_installer == index:
+        heir = next(
+            (j for j in range(index, len(st.frames)) if any(c.fp8 is not None and c.enabled for c in st.frames[j].values())),
+            None,
+        )
+        if heir is not None:
+            st.fp8_installer = heir
+        else:
+            _uninstall(st, index)
+    _refresh(st)
+
+
+def _on_function_stack(mode: TorchFunctionMode) -> bool:
+    stack_at = _torch_compat.function_stack_at
+    return any(stack_at(i) is mode for i in range(_torch_compat.len_function_stack()))
+
+
+def _uninstall(st: ThreadState, index: int) -> None:
+    """Takes off what the region at frame ``index`` installed (the fp8 level), and the
+    weight-cast cache once no region is open.
+
+    Safe to repeat after an interruption: each record is cleared after its level is off.
+    """
+    if index in st.fp8_repushers:
+        _take_off_function_stack(st.fp8_mode)
+        st.fp8_repushers.remove(index)
+    if st.fp8_installer == index:
+        _take_off_function_stack(st.fp8_level)
+        st.fp8_level, st.fp8_installer = None, -1
+    if not st.frames:  # this thread's outermost region closed: native drops its casts here
+        _cast_cache.region_closed()
+
+
+def _take_off_function_stack(mode: TorchFunctionMode) -> None:
+    """Removes ``mode`` from torch's function-mode stack wherever it is.
+
+    A mode entered after ours and still open (``with torch.device("meta")`` around the
+    end of a generator that opened our region, say) stays where it is: popping the top,
+    as ``TorchFunctionMode.__exit__`` does, would remove that one instead.
+    """
+    above = []
+    try:
+        while _torch_compat.len_function_stack() > 0:
+            top = _torch_compat.pop_function_stack()
+            if top is mode:
+                return
+            above.append(top)
+    finally:
+        for other in reversed(above):
+            _torch_compat.push_function_stack(other)
+
+
+def current_frame() -> dict[str, DeviceContext]:
+    frames = STATE.frames
+    return frames[-1] if frames else {}
+
+
+def _refresh(st: ThreadState) -> None:
+    """Derives everything the kernels read from the frames: the contexts in force, our
+    key's state and our token (see "Note: the engine lives in the dispatcher")."""
+    frame = st.frames[-1] if st.frames else {}
+    st.active = tuple(ctx for ctx in frame.values() if ctx.enabled)
+    st.primary = st.active[0] if len(st.active) == 1 else None
+    st.native_depth = st.depths[-1] if st.depths else -1
+    # Each step is recorded before it is taken and every call sets the key's state anew,
+    # so a repeat after an interrupt finishes the job (see "Note: interrupts").
+    if st.active:
+        if not st.key_on:
+            st.token_saved = torch.get_autocast_dtype(_PU1)
+            st.key_on = True
+        _dispatch_key.switch(True)
+        token = token_for(st.active)
+        if torch.get_autocast_dtype(_PU1) is not token:
+            torch.set_autocast_dtype(_PU1, token)
+    else:
+        _dispatch_key.switch(False)
+        if st.key_on:
+            torch.set_autocast_dtype(_PU1, st.token_saved if st.token_saved is not None else BUILTIN_TOKEN)
+            st.key_on = False
+    mode = st.fp8_mode
+    if mode is not None:
+        fp8_ctx = next((ctx for ctx in st.active if ctx.fp8 is not None), None)
+        mode.fp8_recipe = None if fp8_ctx is None else fp8_ctx.fp8
+
+
+def clear_cache() -> None:
+    _cast_cache.clear()
+
+
+# -- fp8 (above the dispatcher) -----------------------------------------------------------
+class _Fp8Level(TorchFunctionMode):
+    """Traces the fp8 path while Dynamo traces (see "Note: torch.compile"): an fp8 call's
+    quantizing, statistics and delayed scaling's history updates must be Python that
+    Dynamo sees. Eagerly it passes every call on: our kernel for ``linear`` takes the fp8
+    calls in the dispatcher (``_fp8_handler.py``), the ones made inside torch's composites
+    too. On torch's stack only while a region with an fp8 recipe is open."""
+
+    # The fp8 recipe of the innermost region (None: none there), read by the tracing path;
+    # Dynamo guards on it because the tracing path reads it.
+    fp8_recipe = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if _is_compiling():
+            return trace_call(self, func, args, kwargs or {})
+        return func(*args, **(kwargs or {}))
+
+
+class _CompileHooks:
+    """Dynamo's compile-start and -end callbacks, installed with the first region.
+
+    At the start of a compile under a policy of our own: the token in force is recorded
+    as one a graph was traced under (``_tokens.pin_current``), and AOTAutograd's cache is
+    switched off until the compile ends (its key cannot tell our configurations apart:
+    across processes a token names another configuration, and before torch 2.13 the key
+    holds no autocast state but whether any is on: "Note: torch.compile"). The cache flag
+    is put back as it was.
+    """
+
+    def __init__(self):
+        self.saved_cache_flag = None
+
+    def install(self) -> None:
+        """Registers the callbacks unless they are registered (``torch._dynamo.reset()``
+        drops every callback: each region's entry checks)."""
+        if not _torch_compat.compile_callback_registered(self._start):
+            _torch_compat.on_compile_start(self._start)
+            _torch_compat.on_compile_end(self._end)
+
+    def _start(self, *args) -> None:
+        if _dispatch_key.is_on() and pin_current():
+            self.saved_cache_flag = _functorch_config.enable_autograd_cache
+            _functorch_config.enable_autograd_cache = False
+
+    def _end(self, *args) -> None:
+        if self.saved_cache_flag is not None:
+            _functorch_config.enable_autograd_cache = self.saved_cache_flag
+            self.saved_cache_flag = None
+
+
+_compile_hooks = _CompileHooks()
+
+_torch_compat.keep_out_of_dynamo(globals(), __name__)

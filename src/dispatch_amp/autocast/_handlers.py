@@ -1,0 +1,168 @@
+"""What the engine's kernels do with one call, per cast kind: native autocast's wrappers.
+
+A handler is called by a kernel (``_kernels.py``) once the call is known to be ours to
+decide (our region in force, no native region inside it, the op's device type ours). It
+gets ``(ctx, st, op, keyset, args, kwargs)``: the region's context, the thread state, the
+aten overload, the dispatch keys of the call, and the call's arguments as the dispatcher
+hands them to Python (trailing defaults left out, keyword-only arguments as keywords).
+
+Each follows the wrapper native autocast registers for that kind (ATen's
+``autocast_mode.h``): cast the eligible arguments, then call the op again with every
+autocast key excluded, so the ops it runs inside are not cast again, as native excludes
+its key inside the ops it handles. Ops a policy does not cast run as given: redispatched
+past the autocast keys for this call only, so the ops they run inside still reach our
+kernels (what a fallthrough would do).
+
+Handlers are made per (policy, device type, op) by ``_routing.py``; the values they need
+from the op's schema (where its ``dtype`` argument is, the overload that takes one) are
+read once then.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._C import DispatchKey
+
+from .. import _torch_compat
+from . import _cast_cache
+from ._cast_cache import _storage_of
+from ._casting import banned_message, cast_one, eligible, map_kwargs, map_tensors, promote_dtype
+
+__all__ = [
+    "lower", "fp32", "promote", "given", "banned", "fp32_set_opt_dtype", "fp32_append_dtype",
+    "run_without_autocast", "BELOW_AUTOCAST",
+]
+
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+_float32 = torch.float32
+_CACHE = _cast_cache.CACHE
+_entries = _CACHE.entries  # cleared in place, never replaced
+_cache_on = torch.is_autocast_cache_enabled
+_inference_mode_on = torch.is_inference_mode_enabled
+# Excludes every autocast dispatch key for what runs inside it (ours and native's): the
+# guard native's wrappers take around the ops they call (ExcludeDispatchKeyGuard on
+# AutocastFunctionality).
+_DisableAutocast = torch._C._DisableAutocast
+# The keys below every autocast key. torch's keyset arithmetic counts PythonDispatcher
+# as "after" the autocast keys, which it is not: it is dropped here, or a redispatch with
+# the python dispatcher on would re-enter it.
+BELOW_AUTOCAST = torch._C._dispatch_keyset_full_after(DispatchKey.AutocastCPU).remove(
+    DispatchKey.PythonDispatcher
+)
+
+
+def run_without_autocast(op, args, kwargs):
+    """``op(*args, **kwargs)`` with every autocast key excluded inside it."""
+    with _DisableAutocast():
+        return op._op(*args, **kwargs)
+
+
+def lower(ctx, st, op, keyset, args, kwargs):
+    """Every eligible argument to the region's lower precision (matmuls, convolutions).
+
+    The hot path of the engine (every matmul and convolution of a forward): cast_one's
+    first test is inlined (most arguments need no cast at all: already the dtype, or not
+    a tensor), and so is the cache hit of a weight cast earlier in the region, which
+    ``_cast_cache.lookup`` would find after cast_one's other tests.
+    """
+    dtype = ctx.dtype
+    cast = None
+    i = -1
+    for a in args:
+        i += 1
+        cls = a.__class__
+        if cls is _Tensor or cls is _Parameter or isinstance(a, _Tensor):
+            if a.dtype is dtype:
+                continue
+            hit = _entries.get((id(a), dtype))
+            if (
+                hit is not None and hit[0] is a and hit[1] == a._version
+                and hit[3] == _CACHE.generation and ctx.cache_enabled and _cache_on()
+                and not _inference_mode_on() and hit[2] == _storage_of(a)
+            ):
+                b = hit[5]
+            else:
+                b = cast_one(a, dtype, ctx, st)
+        elif isinstance(a, (list, tuple)):
+            b = map_tensors((a,), dtype, ctx, st)[0]
+        else:
+            continue
+        if b is not a:
+            if cast is None:
+                cast = list(args)
+            cast[i] = b
+    if kwargs:
+        kwargs = map_kwargs(kwargs, dtype, ctx, st)
+    with _DisableAutocast():
+        return op._op(*(args if cast is None else cast), **kwargs)
+
+
+def fp32(ctx, st, op, keyset, args, kwargs):
+    """Every eligible argument to float32 (ops that need range or precision)."""
+    args = map_tensors(args, _float32, ctx, st)
+    kwargs = map_kwargs(kwargs, _float32, ctx, st)
+    with _DisableAutocast():
+        return op._op(*args, **kwargs)
+
+
+def promote(ctx, st, op, keyset, args, kwargs):
+    """Every eligible argument to the widest floating dtype among them and the region's."""
+    dtype = promote_dtype(ctx.dtype, ctx.device_type, args, kwargs)
+    args = map_tensors(args, dtype, ctx, st)
+    kwargs = map_kwargs(kwargs, dtype, ctx, st)
+    with _DisableAutocast():
+        return op._op(*args, **kwargs)
+
+
+def given(ctx, st, op, keyset, args, kwargs):
+    """As given: past the autocast keys for this call only (not a cast of the policy, nor
+    native's: the ops it runs inside still reach our kernels)."""
+    return op._handle.redispatch_boxed(keyset & BELOW_AUTOCAST, *args, **kwargs)
+
+
+def banned(ctx, st, op, keyset, args, kwargs):
+    raise RuntimeError(banned_message(op.overloadpacket.__name__))
+
+
+def fp32_set_opt_dtype(position: int | None):
+    """Native's fp32_set_opt_dtype wrapper for an op whose optional ``dtype`` argument is
+    at ``position`` (None: keyword-only) (softmax, sums, cumulative ops, vector norms): an
+    explicit dtype is respected; otherwise, if the first argument is eligible, the op runs
+    with ``dtype=torch.float32`` (its own mixed-dtype kernel and backward, not a cast
+    input); an ineligible call runs as given."""
+    if position is None:
+        position = 1 << 30  # never among the positional arguments
+
+    def handler(ctx, st, op, keyset, args, kwargs):
+        positional = len(args) > position
+        given_dtype = args[position] if positional else kwargs.get("dtype")
+        if given_dtype is None and args and eligible(args[0], ctx.device_type):
+            if positional:
+                args = (*args[:position], _float32, *args[position + 1:])
+            else:
+                kwargs = {**kwargs, "dtype": _float32}
+        with _DisableAutocast():
+            return op._op(*args, **kwargs)
+
+    return handler
+
+
+def fp32_append_dtype(with_dtype, names: tuple[str, ...], defaults: tuple):
+    """Native's fp32_append_dtype wrapper for an overload without a dtype argument whose
+    sibling ``with_dtype`` takes one (``norm.Scalar`` -> ``norm.ScalarOpt_dtype``): the
+    sibling is called with the same arguments and ``dtype`` float32 (the first argument's
+    own dtype when it is not eligible). ``names``/``defaults``: the overload's arguments
+    and their defaults, filled in where the call left them out."""
+
+    def handler(ctx, st, op, keyset, args, kwargs):
+        full = list(args) + [kwargs.get(name, default) for name, default in zip(names[len(args):], defaults[len(args):])]
+        first = args[0]
+        dtype = _float32 if eligible(first, ctx.device_type) else first.dtype
+        with _DisableAutocast():
+            return with_dtype._op(*full, dtype=dtype)
+
+    return handler
+
+
+_torch_compat.keep_out_of_dynamo(globals(), __name__)

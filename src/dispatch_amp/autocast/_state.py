@@ -1,0 +1,109 @@
+"""Per-thread state of the open regions, and torch's autocast nesting counter.
+
+``autocast`` pushes a frame (device type -> ``DeviceContext``) per region; the kernels of
+``_kernels.py`` read the innermost one from ``STATE``. See "Note: the engine lives in the
+dispatcher" in ``_engine.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .. import _torch_compat
+from ._routing import Plan, plan_for
+from .policy import Policy
+
+_Tensor = torch.Tensor
+# The cheap per-device test (t.is_cpu is several times faster than t.device.type).
+_DEVICE_TESTS = {
+    "cpu": _Tensor.is_cpu.__get__, "cuda": _Tensor.is_cuda.__get__,
+    "xpu": _Tensor.is_xpu.__get__, "mps": _Tensor.is_mps.__get__,
+}
+
+
+@dataclass(frozen=True)
+class DeviceContext:
+    """What one ``autocast`` says for one device type."""
+
+    device_type: str
+    enabled: bool
+    dtype: torch.dtype
+    policy: Policy
+    cache_enabled: bool
+    # The fp8 recipe of the region (dispatch_amp.fp8), for the calls the policy marks fp8.
+    fp8: object = None
+    # t -> whether t lives on this device type; resolved once, used for every tensor cast.
+    on_device: Callable[[torch.Tensor], bool] = field(init=False, repr=False, compare=False)
+    # Whether the policy is not native autocast's table for this device type.
+    custom: bool = field(init=False, repr=False, compare=False)
+    # What the kernels do with each op under this policy on this device type (_routing.py).
+    plan: Plan = field(init=False, repr=False, compare=False)
+    # plan.handlers, read directly on the hot path.
+    handlers: dict = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        test = _DEVICE_TESTS.get(self.device_type)
+        device_type = self.device_type
+        object.__setattr__(self, "on_device", test if test is not None else (lambda t: t.device.type == device_type))
+        native = Policy.for_device(device_type)
+        object.__setattr__(self, "custom", self.policy is not native and self.policy._key != native._key)
+        plan = plan_for(self.policy, device_type)
+        object.__setattr__(self, "plan", plan)
+        object.__setattr__(self, "handlers", plan.handlers)
+
+
+class ThreadState(threading.local):
+    def __init__(self):
+        # frames[i] maps device type -> DeviceContext; the last frame is in force.
+        self.frames: list[dict[str, DeviceContext]] = []
+        # depths[i]: torch's autocast nesting counter right after frame i was entered.
+        self.depths: list[int] = []
+        # owns[i]: the context region i itself opened; saved[i]: what torch's state was
+        # before it (_engine.NativeState), restored when it closes.
+        self.owns: list[DeviceContext] = []
+        self.saved: list = []
+        # Enabled contexts of the innermost frame; `primary` is set when there is exactly
+        # one (the common case), so the hot path needs no device lookup.
+        self.active: tuple[DeviceContext, ...] = ()
+        self.primary: DeviceContext | None = None
+        # depths[-1]: a deeper nesting counter means a native region inside our innermost.
+        self.native_depth: int = -1
+        # Whether this thread's dispatch-key state has our key switched on (_dispatch_key),
+        # and what torch's "privateuseone" autocast dtype was before we first set it.
+        self.key_on: bool = False
+        self.token_saved = None
+        # The fp8 function level (a TorchFunctionMode, only while a region with an fp8
+        # recipe is in force: see _engine._Fp8Level) and the frame index that installed
+        # it; frames that pushed it again where torch emptied the function-mode stack (an
+        # autograd Function's backward), each taking it off when it closes.
+        self.fp8_level: TorchFunctionMode | None = None
+        self.fp8_installer: int = -1
+        self.fp8_mode: TorchFunctionMode | None = None  # made on first use
+        self.fp8_repushers: list[int] = []
+        # >0 while dispatch_amp.checkpoint runs its function: it recomputes under our state.
+        self.own_checkpoint: int = 0
+
+
+STATE = ThreadState()
+
+
+_increment_nesting = torch.autocast_increment_nesting
+_decrement_nesting = torch.autocast_decrement_nesting
+
+
+def native_nesting() -> int:
+    # torch exposes the nesting counter only through increment/decrement.
+    _increment_nesting()
+    return _decrement_nesting()
+
+
+def inside_native_region(st: ThreadState) -> bool:
+    return native_nesting() > st.native_depth
+
+
+_torch_compat.keep_out_of_dynamo(globals(), __name__)

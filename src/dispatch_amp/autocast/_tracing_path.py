@@ -1,0 +1,78 @@
+"""The fp8 level's handler while Dynamo traces: what it does becomes graph.
+
+Dynamo inlines ``__torch_function__`` of a function mode on torch's stack for every call
+it traces (see "Note: torch.compile" in ``_engine.py``). Casting needs nothing here: our
+kernels run in the dispatcher when Dynamo and AOTAutograd trace. The fp8 path does: an
+fp8 call's quantization, statistics and delayed scaling's history updates are Python
+around ``torch._scaled_mm``, which Dynamo must trace to put them in the graph. So an
+eligible ``F.linear`` under a region with an fp8 recipe is traced as ``fp8_linear``,
+inside ``torch.autocast(device, enabled=False)`` (graph nodes too: no autocast inside the
+fp8 path, ours or native's); every other call is traced as given.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .. import _torch_compat
+from ..fp8 import fp8_linear
+from ..fp8._eligibility import fp8_eligible, linear_arguments
+from ._state import STATE, native_nesting
+from .op_tables import FP8
+
+__all__ = ["trace_call"]
+
+
+def _fp8_in_force(device_type: str | None) -> bool:
+    """Whether the innermost region of ``device_type`` marks ``linear`` fp8 under a recipe,
+    with no native region inside it (run by Dynamo at trace time, its result baked into
+    the graph; the guards on our token and on the fp8 level's recipe cover what it read)."""
+    st = STATE
+    ctx = st.primary
+    if ctx is None:
+        ctx = next((c for c in st.active if c.device_type == device_type), None)
+    if ctx is None or ctx.fp8 is None or ctx.device_type != device_type:
+        return False
+    if native_nesting() > st.native_depth:
+        return False
+    return ctx.policy.rules.get("aten::linear") is FP8
+
+
+_fp8_in_force_constant = _torch_compat.assume_constant_result(_fp8_in_force)
+
+
+def trace_call(mode: TorchFunctionMode, func, args, kwargs):
+    """The fp8 level's handler while Dynamo traces (its code becomes graph)."""
+    recipe = mode.fp8_recipe
+    if recipe is None or getattr(func, "__name__", None) != "linear":
+        return func(*args, **kwargs)
+    x, weight, bias = linear_arguments(args, kwargs)
+    if not isinstance(x, torch.Tensor):
+        return func(*args, **kwargs)
+    device_type = x.device.type
+    if not _fp8_in_force_constant(device_type):
+        return func(*args, **kwargs)
+    dtype = torch.get_autocast_dtype(device_type)
+    if not fp8_eligible(recipe, device_type, x, weight, bias):
+        return func(*args, **kwargs)
+    # The weight carries its site (fp8/recipes.py): the graph updates its statistics,
+    # and delayed scaling's history, in place.
+    site = recipe._lookup(weight)
+    if site is None and recipe.stateful:
+        _refuse_unbound_site(type(recipe).__name__)
+    with torch.autocast(device_type, enabled=False):
+        return fp8_linear(x, weight, bias, recipe, dtype, site)
+
+
+@_torch_compat.assume_constant_result
+def _refuse_unbound_site(recipe_name: str) -> bool:
+    # Runs while Dynamo traces: the error reaches the caller of the compiled function.
+    raise RuntimeError(
+        f"{recipe_name} under torch.compile met a weight it has no site for: a compiled graph "
+        f"cannot create one. Call recipe.bind(model) before the first compiled call (or run "
+        f"one step eagerly first)."
+    )
+
+
+_torch_compat.keep_out_of_dynamo(globals(), __name__)

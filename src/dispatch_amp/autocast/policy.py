@@ -1,0 +1,381 @@
+"""``Policy``: an immutable table that says which ops run in which precision.
+
+A policy maps aten ops (``OpOverloadPacket`` names such as ``"aten::mm"``, or custom ops
+registered with ``torch.library``) to a cast kind; see ``op_tables.py`` for the kinds and
+for the two built-in tables. Every name is resolved against ``torch.ops`` when the policy
+is built, so a typo raises at once instead of silently never casting.
+
+Example::
+
+    import torch, dispatch_amp as amp
+
+    policy = amp.Policy.for_device("cuda").with_ops(fp32=["mm"])   # keep matmuls in fp32
+    with amp.autocast("cpu", policy=policy):
+        ...
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch._ops import OpOverload, OpOverloadPacket
+
+from .. import _torch_compat
+from . import op_tables
+from .op_tables import BANNED, FP8, FP8_OPS, FP32, FP32_UNLESS_DTYPE, KINDS, LOWER, PROMOTE, CastKind
+
+__all__ = ["Policy", "CastKind", "LOWER", "FP32", "FP32_UNLESS_DTYPE", "PROMOTE", "BANNED", "FP8"]
+
+OpLike = str | OpOverloadPacket | OpOverload
+
+
+def _resolve(op: OpLike) -> tuple[str, str | None]:
+    """``(namespace::name, overload or None)`` for an op given as a packet, an overload or
+    a string (``"mm"``, ``"aten::mm"``, ``"aten::pow.Tensor_Scalar"``)."""
+    if isinstance(op, OpOverload):
+        return op.overloadpacket._qualified_op_name, op._overloadname
+    if isinstance(op, OpOverloadPacket):
+        return op._qualified_op_name, None
+    if not isinstance(op, str):
+        raise TypeError(
+            f"an op must be a string such as 'aten::mm', a torch.ops packet or an overload, "
+            f"got {type(op).__name__}"
+        )
+    namespace, sep, name = op.partition("::")
+    if not sep:
+        namespace, name = "aten", op
+    name, _, overload = name.partition(".")
+    try:
+        packet = getattr(getattr(torch.ops, namespace), name)
+    except (AttributeError, RuntimeError):
+        packet = None
+    if not isinstance(packet, OpOverloadPacket):
+        raise ValueError(
+            f"unknown op {namespace}::{name}: no such operator is registered with torch.ops "
+            f"(check the spelling, or register the custom op before building the policy)"
+        )
+    if overload and overload not in packet.overloads():
+        raise ValueError(
+            f"unknown overload {overload!r} of {packet._qualified_op_name}: it has "
+            f"{sorted(packet.overloads())}"
+        )
+    return packet._qualified_op_name, overload or None
+
+
+def _qualified_name(op: OpLike) -> str:
+    """``namespace::name`` of the op (its packet) given as a packet, an overload or a string."""
+    return _resolve(op)[0]
+
+
+def castable(op: OpOverload) -> bool:
+    """Whether a rule may cover overload ``op``: not ``out=``, not in-place (native
+    autocast casts neither)."""
+    if op._overloadname == "out" or op._overloadname.endswith("_out"):
+        return False
+    return not any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
+
+
+def castable_overloads(name: str) -> list[OpOverload]:
+    """The overloads of op ``namespace::name`` a rule may cover (see ``castable``)."""
+    namespace, _, op_name = name.partition("::")
+    packet = getattr(getattr(torch.ops, namespace), op_name)
+    return [op for op in (getattr(packet, o) for o in packet.overloads()) if castable(op)]
+
+
+def _cast_kind(kind) -> CastKind:
+    """The ``CastKind`` member for a kind given as a member or as its string."""
+    try:
+        return CastKind(kind)
+    except ValueError:
+        raise ValueError(f"unknown cast kind {kind!r}; kinds are {[k.value for k in KINDS]}") from None
+
+
+def _rules_from_table(table: Mapping[str, Iterable[OpLike]]) -> tuple[dict[str, CastKind], dict[str, frozenset]]:
+    """``(rules, overloads)``: op name -> kind, and op name -> the overloads a rule is
+    limited to, for the ops named by overload (``"aten::mm.default"``)."""
+    unknown = sorted(str(k) for k in table if k not in KINDS)
+    if unknown:
+        raise ValueError(f"unknown cast kind(s) {unknown}; kinds are {[k.value for k in KINDS]}")
+    rules: dict[str, CastKind] = {}
+    overloads: dict[str, set] = {}
+    whole: set = set()
+    for kind, ops in table.items():
+        kind = _cast_kind(kind)
+        if isinstance(ops, (str, OpOverload, OpOverloadPacket)):
+            raise TypeError(f"the ops of kind {kind!r} must be a list of ops, not a single op")
+        for op in ops:
+            name, overload = _resolve(op)
+            if name in rules and (rules[name] is not kind or overload is None or name in whole):
+                raise ValueError(
+                    f"{name} is registered twice, as {rules[name]!r} and as {kind!r}: "
+                    f"an op has exactly one cast kind"
+                )
+            if kind is FP8 and name not in _FP8_NAMES:
+                raise ValueError(
+                    f"{name} cannot be fp8: the fp8 path implements {list(_FP8_NAMES)} "
+                    f"(a gemm with a 2-D weight, forward and both gradients)"
+                )
+            rules[name] = kind
+            if overload is None:
+                whole.add(name)
+            else:
+                overloads.setdefault(name, set()).add(overload)
+    return rules, {name: frozenset(names) for name, names in overloads.items()}
+
+
+_FP8_NAMES = tuple(f"aten::{op}" for op in FP8_OPS)
+
+
+class Policy:
+    """Which ops autocast runs in lower precision, in float32, promoted, or refuses.
+
+    Build one from a device's built-in table with ``Policy.for_device("cuda")`` (also
+    ``"cpu"``, ``"xpu"``, ``"mps"``) and derive variants with ``with_ops`` (add or move ops,
+    custom ops included) and ``without_ops``. Policies are immutable and hashable.
+
+    Example::
+
+        p = Policy.for_device("cpu")
+        p.kind_of("mm")                         # 'lower'
+        p2 = p.with_ops(fp32=["aten::mm"]).without_ops("conv2d")
+        p2.kind_of("mm"), p2.kind_of("conv2d")  # ('fp32', None)
+    """
+
+    __slots__ = ("name", "_rules", "_overloads", "_key")
+
+    def __init__(self, table: Mapping[str, Iterable[OpLike]], *, name: str = "custom"):
+        self.name = name
+        rules, overloads = _rules_from_table(table)
+        self._rules: Mapping[str, CastKind] = types.MappingProxyType(rules)
+        # op name -> the overloads its rule is limited to (ops named by overload only).
+        self._overloads: Mapping[str, frozenset] = types.MappingProxyType(overloads)
+        # The rules spelled as one string: equality and hashing compare it. The engine
+        # compares keys rather than policies on paths torch.compile traces, where Dynamo
+        # before torch 2.13 refuses to call a user class's __hash__.
+        self._key = "\n".join(sorted(f"{entry} {kind.value}" for entry, kind in self._entries()))
+
+    @classmethod
+    def for_device(cls, device_type: str) -> Policy:
+        """The built-in policy of ``"cuda"``, ``"cpu"``, ``"xpu"`` or ``"mps"``, matching
+        native autocast's table for that device type in the installed torch.
+
+        Example::
+
+            Policy.for_device("cuda").kind_of("softmax")   # 'fp32_unless_dtype'
+        """
+        try:
+            return _BUILTIN[device_type]
+        except (KeyError, TypeError):
+            raise ValueError(
+                f"no built-in policy for device type {device_type!r}; "
+                f"built-in policies: {sorted(_BUILTIN)}"
+            ) from None
+
+    # -- reading ------------------------------------------------------------------------
+    @property
+    def rules(self) -> Mapping[str, CastKind]:
+        """Read-only mapping of qualified op name (``"aten::mm"``) to cast kind.
+
+        A rule covers every overload of its op except ``out=`` and in-place ones, or only
+        those named when the op was given by overload (``"aten::mm.default"``): the built-in
+        policies name overloads where native autocast registers some of an op's and not
+        others. ``overloads_of`` tells which.
+        """
+        return self._rules
+
+    def overloads_of(self, op: OpLike) -> frozenset[str] | None:
+        """The overload names ``op``'s rule is limited to, or None (every overload it may
+        cover, or no rule).
+
+        Example::
+
+            Policy.for_device("cpu").overloads_of("_convolution")   # frozenset({'deprecated'})
+        """
+        return self._overloads.get(_qualified_name(op))
+
+    def kind_of(self, op: OpLike) -> CastKind | None:
+        """The cast kind of ``op`` (``"lower"``, ``"fp32"``...), or None if it runs as given.
+
+        An overload (``torch.ops.aten.mm.dtype``, ``"mm.dtype"``) gets its op's kind if the
+        rule covers it; an op gets its rule's kind."""
+        name, overload = _resolve(op)
+        kind = self._rules.get(name)
+        if kind is None or overload is None:
+            return kind
+        limited = self._overloads.get(name)
+        return kind if limited is None or overload in limited else None
+
+    def ops(self, kind: str) -> frozenset[str]:
+        """The qualified names of the ops of one kind."""
+        kind = _cast_kind(kind)
+        return frozenset(name for name, k in self._rules.items() if k is kind)
+
+    def table(self) -> dict[str, tuple[str, ...]]:
+        """The policy as a table ``{kind: (op names...)}``, the form the constructor takes
+        (ops whose rule is limited to some overloads are listed by overload)."""
+        table: dict[str, list[str]] = {kind: [] for kind in KINDS}
+        for entry, kind in self._entries():
+            table[kind].append(entry)
+        return {kind: tuple(sorted(names)) for kind, names in table.items()}
+
+    def _entries(self):
+        """``(name, kind)`` per rule, ``name`` an op or, for limited rules, an overload."""
+        for name, kind in self._rules.items():
+            limited = self._overloads.get(name)
+            if limited is None:
+                yield name, kind
+            else:
+                for overload in limited:
+                    yield f"{name}.{overload}", kind
+
+    # -- deriving -----------------------------------------------------------------------
+    def with_ops(
+        self,
+        *,
+        lower: Iterable[OpLike] = (),
+        fp32: Iterable[OpLike] = (),
+        fp32_unless_dtype: Iterable[OpLike] = (),
+        promote: Iterable[OpLike] = (),
+        banned: Iterable[OpLike] = (),
+        fp8: Iterable[OpLike] = (),
+        name: str | None = None,
+    ) -> Policy:
+        """A copy with ops added, or moved to another kind if they were already listed.
+
+        ``name`` defaults to ``"derived from '<this policy's name>'"``.
+
+        Example::
+
+            Policy.for_device("cuda").with_ops(lower=["torch_ext::fused_gelu"], fp32=["mm"])
+        """
+        changes = Policy(
+            {LOWER: lower, FP32: fp32, FP32_UNLESS_DTYPE: fp32_unless_dtype,
+             PROMOTE: promote, BANNED: banned, FP8: fp8}
+        )
+        # A changed op takes its new rule whole (its entries here are replaced).
+        entries = [(e, k) for e, k in self._entries() if e.split(".", 1)[0] not in changes._rules]
+        entries += list(changes._entries())
+        return Policy._from_entries(entries, name or _derived_name(self.name))
+
+    def without_ops(self, *ops: OpLike, name: str | None = None) -> Policy:
+        """A copy in which ``ops`` are no longer cast (they run with their inputs as given).
+
+        Example::
+
+            Policy.for_device("cpu").without_ops("cat", "stack")
+        """
+        removed = set()
+        for op in ops:
+            qualified = _qualified_name(op)
+            if qualified not in self._rules:
+                raise ValueError(f"{qualified} is not in policy {self.name!r}, nothing to remove")
+            removed.add(qualified)
+        entries = [(e, k) for e, k in self._entries() if e.split(".", 1)[0] not in removed]
+        return Policy._from_entries(entries, name or _derived_name(self.name))
+
+    @classmethod
+    def _from_entries(cls, entries, name: str) -> Policy:
+        table: dict[str, list[str]] = {kind: [] for kind in KINDS}
+        for entry, kind in entries:
+            table[kind].append(entry)
+        return cls(table, name=name)
+
+    # -- value semantics ----------------------------------------------------------------
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Policy) and self._key == other._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __reduce__(self):
+        # Pickled and deep-copied as its table and name (Lightning deep-copies and pickles
+        # the precision plugins that hold a policy); the engine's plans are made on use.
+        return _policy_from_table, ({str(k.value): v for k, v in self.table().items()}, self.name)
+
+    def __repr__(self) -> str:
+        counts = ", ".join(f"{kind}={len(self.ops(kind))}" for kind in KINDS)
+        return f"Policy(name={self.name!r}, {counts})"
+
+
+def policy_with_fp8_ops(policy: Policy) -> Policy:
+    """``policy`` with ``op_tables.FP8_OPS`` marked fp8: what a region given ``fp8=`` and a
+    policy that names no fp8 op applies. Memoized (regions are made once per step).
+
+    Example::
+
+        >>> policy_with_fp8_ops(Policy.for_device("cpu")).kind_of("linear")
+        'fp8'
+    """
+    name = f"{policy.name} with fp8 {', '.join(FP8_OPS)}"
+    derived = _WITH_FP8.get((policy._key, name))
+    if derived is None:
+        derived = _WITH_FP8[(policy._key, name)] = policy.with_ops(fp8=FP8_OPS, name=name)
+    return derived
+
+
+_WITH_FP8: dict[tuple[str, str], Policy] = {}
+
+
+def _derived_name(base: str) -> str:
+    # A derived policy is not its base: errors and reprs must not call it by the base's
+    # name ("policy 'cpu'" reads as the built-in table).
+    return base if base.startswith("derived from ") else f"derived from {base!r}"
+
+
+def _policy_from_table(table: Mapping[str, Iterable[str]], name: str) -> Policy:
+    return Policy(table, name=name)
+
+
+def _builtin_table(table: Mapping[str, Iterable[str]], key: str) -> tuple[dict[str, list[str]], tuple[str, ...]]:
+    """The part of a built-in table that applies to the installed torch, and the names left out.
+
+    A name is kept where this torch registers it for native autocast's ``key``: as the op
+    where native registers every overload of it that takes a tensor and a rule may cover,
+    else as the overloads native registers (``_convolution.deprecated`` on CPU: a call of
+    ``_convolution``'s other overload, as vmap's convolution rules make, is native's to
+    leave alone). The tables name the union over the supported torch versions and builds,
+    so a name may be left out without being a typo; ``tests/autocast/test_policy.py`` checks
+    that every name left out is one known to differ between versions or builds.
+    """
+    registered: dict[str, set] = {}
+    for entry in _torch_compat.autocast_registration_overloads(key):
+        op, _, overload = entry.partition(".")
+        registered.setdefault(op, set()).add(overload or "default")
+    kept: dict[str, list[str]] = {}
+    omitted: list[str] = []
+    for kind, names in table.items():
+        kept[kind] = []
+        for name in names:
+            native = registered.get(f"aten::{name}")
+            if native is None:
+                omitted.append(name)
+                continue
+            castable = {
+                op._overloadname for op in castable_overloads(f"aten::{name}")
+                if any(isinstance(a.type, torch._C.TensorType) or "Tensor" in str(a.type) for a in op._schema.arguments)
+            }
+            if castable <= native:
+                kept[kind].append(name)
+            else:
+                kept[kind].extend(f"{name}.{overload}" for overload in sorted(native & castable))
+    return kept, tuple(omitted)
+
+
+def _builtin(device_type: str, table, key: str) -> Policy:
+    kept, omitted = _builtin_table(table, key)
+    OMITTED[device_type] = omitted
+    return Policy(kept, name=device_type)
+
+
+# Names of each built-in table that the installed torch does not register (see
+# _builtin_table), by device type.
+OMITTED: dict[str, tuple[str, ...]] = {}
+
+_BUILTIN = {
+    device_type: _builtin(device_type, table, key)
+    for device_type, (table, key) in op_tables.DEVICE_TABLES.items()
+}
+# The device types with a built-in policy, in the order op_tables lists them.
+BUILTIN_DEVICES = tuple(_BUILTIN)

@@ -1,0 +1,176 @@
+"""The weight-cast cache: native's lifetime by default, kept across regions in ``cast_cache``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import dispatch_amp as amp
+from dispatch_amp.autocast import _cast_cache
+
+
+class _CastsOf(TorchDispatchMode):
+    """Counts the dtype casts (``_to_copy``) of the given tensors."""
+
+    def __init__(self, *tensors):
+        super().__init__()
+        self.ids, self.count = {id(t) for t in tensors}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and id(args[0]) in self.ids:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _micro_batches(model, batches, keep: bool):
+    with amp.cast_cache() if keep else _nothing():
+        for x in batches:
+            with amp.autocast("cpu"):
+                loss = model(x).float().pow(2).mean()
+            loss.backward()
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+def test_by_default_each_region_casts_again_as_native():
+    model = nn.Linear(8, 8)
+    with _CastsOf(model.weight) as casts:
+        _micro_batches(model, [torch.randn(4, 8)] * 3, keep=False)
+    assert casts.count == 3
+    assert not _cast_cache.CACHE.entries
+
+
+def test_inside_cast_cache_each_weight_is_cast_once_with_native_bits():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    batches = [torch.randn(4, 8) for _ in range(4)]
+    reference = [p.detach().clone() for p in model.parameters()]
+
+    def grads(run):
+        for p, r in zip(model.parameters(), reference):
+            p.data.copy_(r)
+            p.grad = None
+        run()
+        return [p.grad.clone() for p in model.parameters()]
+
+    def native():
+        for x in batches:
+            with torch.autocast("cpu"):
+                loss = model(x).float().pow(2).mean()
+            loss.backward()
+
+    want = grads(native)
+    with _CastsOf(model[0].weight, model[2].weight) as casts:
+        got = grads(lambda: _micro_batches(model, batches, keep=True))
+    assert casts.count == 2  # one per weight, for four micro-batches
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert not _cast_cache.CACHE.entries  # dropped when the scope closes
+
+
+@pytest.mark.parametrize("change", ["optimizer step", "in place", "data assigned", "load_state_dict"])
+def test_a_changed_weight_is_cast_again_inside_cast_cache(change):
+    model = nn.Linear(8, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    x = torch.randn(4, 8)
+    with amp.cast_cache():
+        with amp.autocast("cpu"):
+            first = model(x)
+        first.float().sum().backward()
+        if change == "optimizer step":
+            optimizer.step()
+        elif change == "in place":
+            with torch.no_grad():
+                model.weight.mul_(2)
+        elif change == "data assigned":
+            model.weight.data = model.weight.data * 2
+        else:
+            model.load_state_dict({"weight": model.weight.detach() * 2, "bias": model.bias.detach()})
+        with amp.autocast("cpu"):
+            second = model(x)
+    with amp.autocast("cpu"):
+        fresh = model(x)  # outside any scope: cast now
+    assert torch.equal(second, fresh) and not torch.equal(second, first)
+
+
+def test_a_write_through_data_is_invisible_and_clear_autocast_cache_drops_it():
+    # Documented: p.data.copy_ changes neither the version counter nor the storage.
+    model = nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    with amp.cast_cache():
+        with amp.autocast("cpu"):
+            first = model(x)
+        model.weight.data.mul_(2)
+        with amp.autocast("cpu"):
+            stale = model(x)
+        amp.clear_autocast_cache()
+        with amp.autocast("cpu"):
+            fresh = model(x)
+    assert torch.equal(stale, first) and not torch.equal(fresh, first)
+
+
+def test_max_bytes_bounds_what_is_kept():
+    layers = [nn.Linear(32, 32, bias=False) for _ in range(4)]
+    x = torch.randn(2, 32)
+    one = 32 * 32 * 2  # a bfloat16 cast of one weight
+    with amp.cast_cache(max_bytes=2 * one):
+        with amp.autocast("cpu"):
+            for layer in layers:
+                layer(x)
+        assert _cast_cache.CACHE.nbytes <= 2 * one
+        assert len(_cast_cache.CACHE.entries) == 2
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "1MB"])
+def test_bad_max_bytes_is_refused(bad):
+    with pytest.raises(ValueError, match="max_bytes"):
+        amp.cast_cache(max_bytes=bad)
+
+
+def test_nested_scopes_keep_casts_until_the_outermost_closes():
+    model = nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    with amp.cast_cache():
+        with amp.cast_cache():
+            with amp.autocast("cpu"):
+                model(x)
+        assert _cast_cache.CACHE.entries
+        assert _cast_cache.CACHE.hook is not None
+    assert not _cast_cache.CACHE.entries and _cast_cache.CACHE.hook is None
+
+
+@settings(deadline=None, max_examples=25)
+@given(steps=st.lists(st.sampled_from(["forward", "step", "inplace"]), min_size=1, max_size=8))
+def test_kept_casts_always_equal_fresh_ones(steps):
+    """Whatever happens between regions inside the scope, a region's output equals the
+    same linear on casts made now."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    with amp.cast_cache():
+        for step in steps:
+            if step == "forward":
+                with amp.autocast("cpu"):
+                    out = model(x)
+                out.float().sum().backward()
+                with torch.no_grad():
+                    fresh = torch.nn.functional.linear(x.bfloat16(), model.weight.bfloat16(), model.bias.bfloat16())
+                assert torch.equal(out, fresh)
+            elif step == "step":
+                if model.weight.grad is not None:
+                    optimizer.step()
+                    optimizer.zero_grad()
+            else:
+                with torch.no_grad():
+                    model.weight.add_(1)

@@ -1,0 +1,180 @@
+"""Policy: validated op tables, derived copies, custom ops."""
+
+import pytest
+import torch
+
+import dispatch_amp as amp
+from dispatch_amp.autocast import op_tables
+from dispatch_amp.autocast import policy as policy_module
+from dispatch_amp.autocast.policy import Policy
+
+
+def test_builtin_tables_resolve_and_have_no_duplicates():
+    for device in op_tables.DEVICE_TABLES:
+        p = Policy.for_device(device)
+        names = [n for kind in op_tables.KINDS for n in p.ops(kind)]
+        assert len(names) == len(set(names)) == len(p.rules)
+        assert all(n.startswith("aten::") for n in names)
+
+
+# Table names native autocast registers in some supported torch releases and not others,
+# with the release range that registers them (first that does, first that no longer does).
+_BY_VERSION = {
+    "cuda": {"rms_norm": ("2.12", None), "linalg_matrix_sqrth": ("2.14", None)},
+    "cpu": {"cholesky": (None, "2.14"), "qr": (None, "2.14"), "linalg_matrix_sqrth": ("2.14", None)},
+    "xpu": {"rms_norm": ("2.12", None)},
+    "mps": {},
+}
+# Table names only CUDA builds register (cuDNN's RNN).
+_CUDA_BUILDS_ONLY = {"cuda": {"_cudnn_rnn"}, "cpu": set(), "xpu": set(), "mps": set()}
+
+
+def _in_range(since, until):
+    return (since is None or torch.__version__ >= since) and (until is None or torch.__version__ < until)
+
+
+@pytest.mark.parametrize("device", sorted(op_tables.DEVICE_TABLES))
+def test_builtin_policy_follows_the_installed_torch(device):
+    # Only the names known to differ between releases may be left out (anything else
+    # left out is a typo in op_tables.py or a change upstream), and each is in the
+    # policy exactly on the releases that register it.
+    policy = Policy.for_device(device)
+    known = set(_BY_VERSION[device]) | _CUDA_BUILDS_ONLY[device]
+    unknown = sorted(set(policy_module.OMITTED[device]) - known)
+    assert not unknown, f"left out of the built-in {device} policy on torch {torch.__version__}: {unknown}"
+    expected = {name: _in_range(since, until) for name, (since, until) in _BY_VERSION[device].items()}
+    expected.update({name: torch.version.cuda is not None for name in _CUDA_BUILDS_ONLY[device]})
+    for name, here in expected.items():
+        assert (f"aten::{name}" in policy.rules) == here, name
+        assert (name in policy_module.OMITTED[device]) == (not here), name
+    table = op_tables.DEVICE_TABLES[device][0]  # (table, native's dispatch key)
+    listed = sum(len(names) for names in table.values())
+    assert len(policy.rules) + len(policy_module.OMITTED[device]) == listed
+
+
+def test_device_tables_differ_where_native_differs():
+    cuda, cpu = Policy.for_device("cuda"), Policy.for_device("cpu")
+    # On CPU native leaves layer_norm, softmax and exp in the input dtype (their CUDA entries are fp32).
+    for op in ("layer_norm", "softmax", "exp"):
+        assert cpu.kind_of(op) is None
+        assert cuda.kind_of(op) in (op_tables.FP32, op_tables.FP32_UNLESS_DTYPE)
+    assert cuda.kind_of("binary_cross_entropy") == op_tables.BANNED
+    assert cpu.kind_of("binary_cross_entropy") == op_tables.FP32
+    assert cpu.kind_of("cat") == cuda.kind_of("addcmul") == op_tables.PROMOTE
+    # Intel GPUs: CUDA's table less what only CUDA registers.
+    xpu = Policy.for_device("xpu")
+    assert set(cuda.rules) - set(xpu.rules) <= {"aten::cudnn_convolution", "aten::cudnn_convolution_transpose", "aten::_cudnn_rnn",
+                                                "aten::linalg_matrix_sqrth"}
+    assert set(xpu.rules) <= set(cuda.rules) and all(cuda.kind_of(op) == k for op, k in xpu.rules.items())
+    # Apple GPUs: softmax and sums in float32 even with dtype= (the input is cast), a
+    # float32 3-D transposed convolution, batch_norm in float32, no banned op.
+    mps = Policy.for_device("mps")
+    assert mps.kind_of("softmax") == mps.kind_of("sum") == mps.kind_of("conv_transpose3d") == op_tables.FP32
+    assert mps.kind_of("batch_norm") == op_tables.FP32 and cuda.kind_of("batch_norm") is None
+    assert mps.kind_of("conv3d") == mps.kind_of("_mps_convolution") == op_tables.LOWER
+    assert mps.kind_of("binary_cross_entropy") is None and not mps.ops("banned")
+
+
+def test_typo_fails_loudly():
+    with pytest.raises(ValueError, match="unknown op aten::mmm"):
+        Policy({op_tables.LOWER: ["mmm"]})
+    with pytest.raises(ValueError, match="unknown cast kind"):
+        Policy({"lowr": ["mm"]})
+    with pytest.raises(TypeError, match="list of ops"):
+        Policy({op_tables.LOWER: "mm"})
+
+
+def test_duplicate_registration_is_rejected():
+    with pytest.raises(ValueError, match="aten::mm is registered twice"):
+        Policy({op_tables.LOWER: ["mm"], op_tables.FP32: ["aten::mm"]})
+    with pytest.raises(ValueError, match="registered twice"):
+        Policy({op_tables.LOWER: ["mm", torch.ops.aten.mm.default]})
+
+
+def test_with_ops_adds_and_moves_without_touching_the_original():
+    base = Policy.for_device("cuda")
+    derived = base.with_ops(fp32=["mm"], lower=["aten::exp"], name="mine")
+    assert derived.kind_of(torch.ops.aten.mm) == op_tables.FP32
+    assert derived.kind_of("exp") == op_tables.LOWER
+    assert base.kind_of("mm") == op_tables.LOWER and base.kind_of("exp") == op_tables.FP32
+    assert derived.name == "mine" and derived != base
+    with pytest.raises(ValueError, match="registered twice"):
+        base.with_ops(fp32=["mm"], lower=["mm"])
+
+
+def test_without_ops_removes_and_refuses_unknown():
+    p = Policy.for_device("cpu").without_ops("cat", torch.ops.aten.stack)
+    assert p.kind_of("cat") is None and p.kind_of("stack") is None
+    with pytest.raises(ValueError, match="not in policy"):
+        p.without_ops("cat")
+
+
+def test_policies_are_values():
+    a = Policy.for_device("cpu").with_ops(fp32=["mm"])
+    b = Policy.for_device("cpu").with_ops(fp32=["mm"])
+    assert a == b and hash(a) == hash(b)
+    assert Policy(a.table()) == a
+    with pytest.raises(TypeError):
+        a.rules["aten::mm"] = "lower"  # read-only mapping
+    assert "fp32=" in repr(a)
+
+
+def test_unknown_device_policy():
+    with pytest.raises(ValueError, match="built-in policies"):
+        Policy.for_device("tpu")
+
+
+# A custom op, registered once for the whole module.
+_lib = torch.library.Library("dispatch_amp_test", "DEF")  # noqa: TOR901
+_lib.define("scale2(Tensor x) -> Tensor")
+_lib.impl("scale2", lambda x: x * 2, "CompositeExplicitAutograd")
+
+
+def test_custom_op_can_be_added_and_is_cast():
+    policy = Policy.for_device("cpu").with_ops(lower=["dispatch_amp_test::scale2"])
+    assert policy.kind_of(torch.ops.dispatch_amp_test.scale2) == op_tables.LOWER
+    x = torch.randn(4)
+    with amp.autocast("cpu", policy=policy):
+        assert torch.ops.dispatch_amp_test.scale2(x).dtype == torch.bfloat16
+        assert torch.ops.dispatch_amp_test.scale2.default(x).dtype == torch.bfloat16
+    with amp.autocast("cpu"):
+        assert torch.ops.dispatch_amp_test.scale2(x).dtype == torch.float32
+
+
+def test_a_policy_read_back_from_json_casts_like_the_original():
+    """Kinds given as strings (here parsed from JSON, so not the interned constants) become
+    CastKind members when the policy is built, and the engine casts with them."""
+    import json
+
+    import dispatch_amp as amp
+
+    table = json.loads(json.dumps(Policy.for_device("cpu").with_ops(fp32=["mm"]).table()))
+    policy = Policy(table, name="from-json")
+    assert policy == Policy.for_device("cpu").with_ops(fp32=["mm"])
+    assert all(type(kind) is op_tables.CastKind for kind in policy.rules.values())
+    a = torch.randn(4, 4)
+    with amp.autocast("cpu", policy=policy):
+        assert torch.mm(a, a).dtype == torch.float32
+        assert torch.bmm(a[None], a[None]).dtype == torch.bfloat16
+        assert torch.nn.functional.softmax(a.bfloat16(), -1).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="unknown cast kind"):
+        Policy({"lowr": ["mm"]})
+
+
+def test_cast_kinds_compare_as_their_strings():
+    assert op_tables.CastKind.LOWER == "lower" and Policy.for_device("cpu").kind_of("mm") == "lower"
+    assert repr(op_tables.CastKind.FP32) == "'fp32'" and f"{op_tables.CastKind.FP32}" == "fp32"
+
+
+def test_policies_pickle_and_deep_copy_as_values():
+    import copy
+    import pickle
+
+    custom = Policy.for_device("cuda").with_ops(fp32=["mm"], name="mm-fp32")
+    for policy in (Policy.for_device("cpu"), custom):
+        for again in (pickle.loads(pickle.dumps(policy)), copy.deepcopy(policy), copy.copy(policy)):
+            assert again == policy and hash(again) == hash(policy)
+            assert again.name == policy.name and dict(again.rules) == dict(policy.rules)
+            with amp.autocast("cpu", dtype=torch.float16, policy=again):
+                assert torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype == (
+                    torch.float32 if policy is custom else torch.float16)
