@@ -1,6 +1,7 @@
 """The package's modules form a tree: no module imports one that imports it.
 
-Every ``from . import`` / ``from .x import`` counts, inside functions and under
+Every ``from . import`` / ``from .x import`` counts, and every absolute import of the
+package's own modules (``import dispatch_amp.scaler.config``), inside functions and under
 ``TYPE_CHECKING`` too: a circle that only a type hint or a late import closes still ties
 the modules together, and the next top-level import turns it into an ImportError.
 
@@ -24,17 +25,38 @@ def _module_name(path: pathlib.Path, package: pathlib.Path) -> str:
     return ".".join(parts)
 
 
-def _imports(package_dir: pathlib.Path = PACKAGE) -> dict[str, set[str]]:
+def _within(module: str, root: str) -> str | None:
+    """``module``'s name inside the package ``root`` ("" for the root), or None outside it."""
+    if module == root:
+        return ""
+    return module[len(root) + 1:] if module.startswith(root + ".") else None
+
+
+def _imports(package_dir: pathlib.Path = PACKAGE, root: str = "dispatch_amp") -> dict[str, set[str]]:
     modules = {_module_name(p, package_dir): p for p in package_dir.rglob("*.py")}
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         for node in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(node, ast.ImportFrom) or node.level == 0:
+            if isinstance(node, ast.Import):
+                # ``import dispatch_amp.scaler.config`` runs every package above it too.
+                for alias in node.names:
+                    target = _within(alias.name, root)
+                    if target and target in graph and target != name:
+                        graph[name].add(target)
+                        graph[name].update(p for p in _packages_above(target) - _packages_above(name) - {name} if p in graph)
                 continue
-            base = package.split(".") if package else []
-            base = base[: len(base) - (node.level - 1)]
-            target = ".".join(base + ([node.module] if node.module else []))
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level == 0:
+                # An absolute import of one of the package's own modules counts like a relative one.
+                target = _within(node.module or "", root)
+                if target is None:
+                    continue
+            else:
+                base = package.split(".") if package else []
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
             for alias in node.names:
                 for candidate in (f"{target}.{alias.name}".strip("."), target):
                     if candidate in graph and candidate != name:
@@ -101,8 +123,12 @@ def test_the_walker_sees_late_and_type_hint_imports(tmp_path):
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "__init__.py").write_text("")
     (tmp_path / "sub" / "leaf.py").write_text("from ..low import x\n")
-    graph = _imports(tmp_path)
+    # Absolute imports of the package's own modules count too; other packages' do not.
+    (tmp_path / "sub" / "absolute.py").write_text(
+        "import os.path\nimport pkg.high\nfrom pkg.sub import leaf\nfrom pkgother import low\n")
+    graph = _imports(tmp_path, root="pkg")
     assert graph["low"] == {"high"} and graph["high"] == {"low"} and graph["sub.leaf"] == {"low"}
+    assert graph["sub.absolute"] == {"high", "sub.leaf"}
     assert _circles(graph) == [["high", "low", "high"]]
 
 

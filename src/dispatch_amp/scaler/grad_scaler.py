@@ -82,7 +82,7 @@ class _OptRecord:
     # Work handle of the cross-rank all_reduce of the flag, until waited on.
     work: Any = None
     # device -> (parameters, the gradient tensors checked, per-gradient flags or None), kept
-    # for the overflow report of a skipped step (see scaler_diagnostics).
+    # for the overflow report of a skipped step (see diagnostics.py).
     checked_per_device: dict[torch.device, tuple[list, list, Any]] = field(default_factory=dict)
     # device -> the per-gradient flags as read on the host with found_inf (Triton path only).
     nonfinite_host: dict[torch.device, list[int]] = field(default_factory=dict)
@@ -234,7 +234,7 @@ class GradScaler:
         flags: dict[torch.device, torch.Tensor] = {}
         checked: dict[torch.device, tuple[list, list, Any]] = {}
         # A fused optimizer skips on the device: its per-gradient flags are the only count
-        # of its overflow, so it gets them on every path (scaler_diagnostics).
+        # of its overflow, so it gets them on every path (diagnostics.py).
         fused = getattr(optimizer, "_step_supports_amp_scaling", False)
         with torch.no_grad():
             for device, (params, grads) in per_device.items():
