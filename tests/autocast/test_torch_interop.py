@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -549,6 +550,35 @@ def test_a_backward_that_reenters_autocast_reuses_the_forwards_weight_cast():
                 _Linear.apply(x, w).sum().backward()  # backward inside the region
         counts[region] = casts.count
     assert counts[ours] == counts[native] == 1
+
+
+def test_a_backward_after_the_region_reuses_its_weight_cast_while_torch_keeps_its_cache():
+    # torch's own test of its global cache: with torch.clear_autocast_cache replaced by a
+    # no-op, a backward run after the region closes re-enters autocast and finds the
+    # forward's weight cast. Our cache follows the same function.
+    counts = {}
+    for region in (native, ours):
+        _Linear.region = region
+        x, w = torch.randn(2, 3), nn.Parameter(torch.randn(4, 3))
+        with mock.patch("torch.clear_autocast_cache"), _WeightCasts(w) as casts:
+            with region():
+                s = _Linear.apply(x, w).sum()
+            s.backward()  # after the region
+        counts[region] = casts.count
+    assert counts[ours] == counts[native] == 1
+
+
+def test_a_backward_after_the_region_casts_again_when_torch_clears_its_cache():
+    counts = {}
+    for region in (native, ours):
+        _Linear.region = region
+        x, w = torch.randn(2, 3), nn.Parameter(torch.randn(4, 3))
+        with _WeightCasts(w) as casts:
+            with region():
+                s = _Linear.apply(x, w).sum()
+            s.backward()
+        counts[region] = casts.count
+    assert counts[ours] == counts[native] == 2
 
 
 def test_a_backward_that_reenters_our_region_follows_its_policy():

@@ -6,7 +6,9 @@ drops it when a thread's outermost region closes. Ours does the same by default
 (``lookup``/``region_closed``), with two checks native lacks: an entry is used only while
 the weight's version counter (any in-place change: an optimizer step, ``copy_``,
 ``load_state_dict``) and its storage (a ``.data =`` assignment) are those it was cast
-from.
+from. Native drops its cache by calling ``torch.clear_autocast_cache``; where that function
+has been replaced (torch's tests of its global cache replace it to keep the casts for a
+backward run after the region), ours is kept too.
 
 Native re-casts every weight in each region, so each micro-batch of gradient accumulation
 and each forward of an eval loop casts them all again. Inside ``cast_cache()`` the casts

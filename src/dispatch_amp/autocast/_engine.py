@@ -94,6 +94,8 @@ from ._state import STATE, DeviceContext, ThreadState
 from ._tokens import BUILTIN_TOKEN, pin_current, token_for
 from ._tracing_path import trace_call
 
+_NATIVE_CLEAR = torch.clear_autocast_cache  # the genuine one, before anyone replaces it
+
 _is_compiling = torch.compiler.is_dynamo_compiling
 _functorch_config = torch._functorch.config
 _increment_nesting = torch.autocast_increment_nesting
@@ -348,7 +350,11 @@ def _uninstall(st: ThreadState, index: int) -> None:
     if st.fp8_installer == index:
         _take_off_function_stack(st.fp8_level)
         st.fp8_level, st.fp8_installer = None, -1
-    if not st.frames:  # this thread's outermost region closed: native drops its casts here
+    # This thread's outermost region closed: native drops its casts here, by calling
+    # torch.clear_autocast_cache. Code that replaces that function to keep native's casts
+    # for a backward run after the region (torch's own tests of its global cache do) keeps
+    # ours too: only the genuine function drops them.
+    if not st.frames and torch.clear_autocast_cache is _NATIVE_CLEAR:
         _cast_cache.region_closed()
 
 
