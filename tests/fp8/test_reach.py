@@ -528,3 +528,37 @@ def test_the_compiled_graph_contains_the_scaled_gemms(spelling):
     code = "\n".join(m.code for m in graphs[0].modules() if isinstance(m, torch.fx.GraphModule))
     # Two forward gemms; the backward's: grad_input of the second layer, grad_weight of both.
     assert code.count("torch._scaled_mm") == 5 and "float8_e4m3fn" in code and "float8_e5m2" in code
+
+
+TRANSPOSES = {
+    "T": lambda x, w: x @ w.T, "t": lambda x, w: x @ w.t(), "transpose": lambda x, w: x @ w.transpose(0, 1),
+    "mT": lambda x, w: x @ w.mT, "torch.t": lambda x, w: torch.matmul(x, torch.t(w)),
+    "permute": lambda x, w: torch.mm(x, w.permute(1, 0)), "swapaxes": lambda x, w: x @ w.swapaxes(0, 1),
+}
+
+
+class Transposed(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        torch.manual_seed(0)
+        self.weight = nn.Parameter(torch.randn(48, 32))
+
+    def forward(self, x):
+        return TRANSPOSES[self.how](x, self.weight)
+
+
+@pytest.mark.usefixtures("_fresh_dynamo")
+@pytest.mark.parametrize("how", sorted(TRANSPOSES))
+def test_each_transpose_of_a_parameter_is_its_site_compiled_as_eagerly(how):
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(0))
+    results = []
+    for compile_it in (False, True):
+        model = Transposed(how)
+        recipe = fp8.DelayedScaling(amax_history_len=4).bind(model)
+        run = torch.compile(model, backend="aot_eager", fullgraph=True) if compile_it else model
+        with amp.autocast("cpu", dtype=torch.bfloat16, fp8=recipe):
+            y = run(x)
+        results.append((y, _reports(recipe)))
+    (y, report), (y_c, report_c) = results
+    assert torch.equal(y, y_c) and report == report_c and [r[:2] for r in report] == [("<root>", 1)]

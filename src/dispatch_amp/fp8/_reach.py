@@ -77,6 +77,15 @@ def _one(value) -> bool:
     return type(value) in (int, float) and value == 1
 
 
+def _swapped(t, base) -> bool:
+    """Whether 2-D ``t`` has the shape and strides of 2-D ``base``, swapped."""
+    if base.dim() != 2 or t.dim() != 2:
+        return False
+    rows, cols = base.shape
+    s0, s1 = base.stride()
+    return t.shape == (cols, rows) and t.stride() == (s1, s0)
+
+
 def _transposed_parameter(t) -> _Parameter | None:
     """The 2-D parameter ``t`` is the transpose of (a view of it with its shape and strides
     swapped), or None."""
@@ -86,11 +95,7 @@ def _transposed_parameter(t) -> _Parameter | None:
     base = getattr(t, _TRANSPOSE_OF, None) if _is_compiling() else None
     if base is None:
         base = t._base
-    if type(base) is not _Parameter or base.dim() != 2:
-        return None
-    rows, cols = base.shape
-    s0, s1 = base.stride()
-    if t.shape != (cols, rows) or t.stride() != (s1, s0):
+    if type(base) is not _Parameter or not _swapped(t, base):
         return None
     # Dynamo cannot read a storage offset; with the parameter's shape and strides
     # swapped, only as_strided into a storage larger than the parameter can move it.
@@ -108,8 +113,7 @@ def mark_transpose(func, args, kwargs):
         out = mark_transpose(torch.Tensor.t, (weight,), {})
     """
     out = func(*args, **kwargs)
-    if (args and type(args[0]) is _Parameter and args[0].dim() == 2 and isinstance(out, _Tensor)
-            and out.dim() == 2):
+    if args and type(args[0]) is _Parameter and isinstance(out, _Tensor) and _swapped(out, args[0]):
         setattr(out, _TRANSPOSE_OF, args[0])
     return out
 
