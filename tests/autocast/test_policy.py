@@ -6,7 +6,7 @@ import torch
 import dispatch_amp as amp
 from dispatch_amp.autocast import op_tables
 from dispatch_amp.autocast import policy as policy_module
-from dispatch_amp.autocast.policy import Policy
+from dispatch_amp.autocast.policy import Policy, policy_with_fp8_ops
 
 
 def test_builtin_tables_resolve_and_have_no_duplicates():
@@ -178,3 +178,33 @@ def test_policies_pickle_and_deep_copy_as_values():
             with amp.autocast("cpu", dtype=torch.float16, policy=again):
                 assert torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype == (
                     torch.float32 if policy is custom else torch.float16)
+
+
+# -- fp8 ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", ["cpu", "cuda", "xpu", "mps"])
+def test_the_fp8_policy_marks_linear_and_the_matmuls_the_base_lowers(device):
+    base = Policy.for_device(device)
+    marked = policy_with_fp8_ops(base)
+    assert marked.ops("fp8") == {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul"}
+    # Limited to the overloads the base lowers: the others keep their rule (none).
+    for op in ("addmm", "mm", "matmul", "linear"):
+        assert marked.overloads_of(op) == base.overloads_of(op)
+    assert marked.kind_of("mm.dtype") is None and marked.kind_of("addmm.dtype") is None
+    assert marked.without_ops("linear", "addmm", "mm", "matmul") == base.without_ops("linear", "addmm", "mm", "matmul")
+
+
+def test_the_fp8_policy_leaves_a_matmul_of_another_kind_alone():
+    base = Policy.for_device("cpu").with_ops(fp32=["mm"]).without_ops("matmul")
+    marked = policy_with_fp8_ops(base)
+    assert marked.kind_of("mm") == "fp32" and marked.kind_of("matmul") is None
+    assert marked.ops("fp8") == {"aten::linear", "aten::addmm"}
+
+
+def test_only_linear_and_its_matmuls_can_be_fp8_and_a_typo_fails():
+    for op in ("linear", "addmm", "mm", "matmul", "mm.default"):
+        assert Policy.for_device("cpu").with_ops(fp8=[op]).kind_of(op) == "fp8"
+    with pytest.raises(ValueError, match=r"aten::bmm cannot be fp8: the fp8 path implements \['aten::linear', "
+                                         r"'aten::addmm', 'aten::mm', 'aten::matmul'\]"):
+        Policy.for_device("cpu").with_ops(fp8=["bmm"])
+    with pytest.raises(ValueError, match="unknown op aten::adddmm"):
+        Policy.for_device("cpu").with_ops(fp8=["adddmm"])

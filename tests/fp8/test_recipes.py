@@ -256,8 +256,8 @@ def test_bad_arguments_are_refused_with_the_fix():
     marked = amp.Policy.for_device("cpu").with_ops(fp8=["linear"])
     with pytest.raises(ValueError, match="marks \\['aten::linear'\\] as fp8, but no recipe"):
         amp.autocast("cpu", policy=marked)
-    with pytest.raises(ValueError, match="aten::mm cannot be fp8"):
-        amp.Policy.for_device("cpu").with_ops(fp8=["mm"])
+    with pytest.raises(ValueError, match="aten::bmm cannot be fp8"):
+        amp.Policy.for_device("cpu").with_ops(fp8=["bmm"])
 
 
 def test_report_table_lists_every_site_and_role():

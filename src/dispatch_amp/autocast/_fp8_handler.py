@@ -1,10 +1,13 @@
-"""The handler of ``linear`` under a policy that marks it fp8: the fp8 path, in the dispatcher.
+"""The handler of the ops a policy marks fp8: the fp8 path, in the dispatcher.
 
 Eagerly every ``linear`` call reaches our kernel for it, the ones made inside torch's
 Python composites (``F.multi_head_attention_forward``) and C++ composites included: an
 eligible call (``fp8/_eligibility.py``) runs as scaled fp8 gemms under the region's
 recipe, with autocast off inside the fp8 path (its own quantizing and statistics ops are
 not autocast); an ineligible one is cast to the region's dtype, as ``lower`` casts it.
+``addmm``, ``mm`` and ``matmul`` calls that are a linear (``fp8/_reach.py``: the right
+operand a 2-D parameter or its transpose) take the same path as that linear, with the
+parameter's site; their other calls are ``lower``'s, as under a policy without fp8.
 While torch.compile traces, the fp8 level above the dispatcher traces the same path as
 Python (``_tracing_path.py``): Dynamo must see its statistics updates.
 """
@@ -16,6 +19,7 @@ import torch
 from .. import _torch_compat
 from ..fp8 import fp8_linear
 from ..fp8._eligibility import fp8_eligible, linear_arguments
+from ..fp8._reach import linear_shaped
 from ._handlers import lower
 from ._torch_checkpoint import inside_torch_checkpoint
 
@@ -23,13 +27,27 @@ __all__ = ["fp8"]
 
 _DisableAutocast = torch._C._DisableAutocast
 _graph_task_id = torch._C._current_graph_task_id
+_LINEAR = torch.ops.aten.linear.default
+# The overloads whose linear-shaped calls the fp8 path takes, by their op's name.
+_REACH = {torch.ops.aten.addmm.default: "aten::addmm", torch.ops.aten.mm.default: "aten::mm",
+          torch.ops.aten.matmul.default: "aten::matmul"}
 
 
 def fp8(ctx, st, op, keyset, args, kwargs):
-    """The fp8 path for an eligible ``linear`` call, else ``lower``."""
-    x, weight, bias = linear_arguments(args, kwargs)
+    """The fp8 path for an eligible ``linear`` call or linear-shaped matmul, else ``lower``."""
     recipe = ctx.fp8
-    if recipe is None or not fp8_eligible(recipe, ctx.device_type, x, weight, bias):
+    if recipe is None:
+        return lower(ctx, st, op, keyset, args, kwargs)
+    if op is _LINEAR:
+        x, weight, bias = linear_arguments(args, kwargs)
+        holder = weight
+    else:
+        op_name = _REACH.get(op)
+        call = None if op_name is None else linear_shaped(op_name, args, kwargs)
+        if call is None:
+            return lower(ctx, st, op, keyset, args, kwargs)
+        x, weight, bias, holder = call
+    if not fp8_eligible(recipe, ctx.device_type, x, weight, bias, holder=holder):
         return lower(ctx, st, op, keyset, args, kwargs)
     # A forward call made while a backward runs is activation checkpointing recomputing
     # the forward; one made under a checkpoint will be recomputed. Recipes with state
@@ -42,7 +60,7 @@ def fp8(ctx, st, op, keyset, args, kwargs):
     else:
         phase = "forward"
     with _DisableAutocast():
-        return fp8_linear(x, weight, bias, recipe, ctx.dtype, recipe._site(weight), phase)
+        return fp8_linear(x, weight, bias, recipe, ctx.dtype, recipe._site(holder), phase)
 
 
 _torch_compat.keep_out_of_dynamo(globals(), __name__)

@@ -5,9 +5,11 @@ it traces (see "Note: torch.compile" in ``_engine.py``). Casting needs nothing h
 kernels run in the dispatcher when Dynamo and AOTAutograd trace. The fp8 path does: an
 fp8 call's quantization, statistics and delayed scaling's history updates are Python
 around ``torch._scaled_mm``, which Dynamo must trace to put them in the graph. So an
-eligible ``F.linear`` under a region with an fp8 recipe is traced as ``fp8_linear``,
-inside ``torch.autocast(device, enabled=False)`` (graph nodes too: no autocast inside the
-fp8 path, ours or native's); every other call is traced as given.
+eligible ``F.linear``, or a linear-shaped ``torch.addmm``, ``torch.mm`` or ``matmul``
+(``x @ w.t()``, ``fp8/_reach.py``) whose op the policy marks fp8, under a region with an
+fp8 recipe, is traced as ``fp8_linear``, inside ``torch.autocast(device, enabled=False)``
+(graph nodes too: no autocast inside the fp8 path, ours or native's); every other call is
+traced as given, and our kernels cast it when AOTAutograd traces it.
 """
 
 from __future__ import annotations
@@ -18,16 +20,22 @@ from torch.overrides import TorchFunctionMode
 from .. import _torch_compat
 from ..fp8 import fp8_linear
 from ..fp8._eligibility import fp8_eligible, linear_arguments
+from ..fp8._reach import TRANSPOSES, linear_shaped, mark_transpose
 from ._state import STATE, native_nesting
 from .op_tables import FP8
 
 __all__ = ["trace_call"]
 
+# The torch functions (by name) that reach an op whose calls may be a linear, and that op.
+_OPS = {"linear": "aten::linear", "addmm": "aten::addmm", "mm": "aten::mm", "matmul": "aten::matmul",
+        "__matmul__": "aten::matmul"}
 
-def _fp8_in_force(device_type: str | None) -> bool:
-    """Whether the innermost region of ``device_type`` marks ``linear`` fp8 under a recipe,
-    with no native region inside it (run by Dynamo at trace time, its result baked into
-    the graph; the guards on our token and on the fp8 level's recipe cover what it read)."""
+
+def _fp8_in_force(device_type: str | None, op_name: str) -> bool:
+    """Whether the innermost region of ``device_type`` marks ``op_name``'s default overload
+    fp8 under a recipe, with no native region inside it (run by Dynamo at trace time, its
+    result baked into the graph; the guards on our token and on the fp8 level's recipe
+    cover what it read)."""
     st = STATE
     ctx = st.primary
     if ctx is None:
@@ -36,7 +44,7 @@ def _fp8_in_force(device_type: str | None) -> bool:
         return False
     if native_nesting() > st.native_depth:
         return False
-    return ctx.policy.rules.get("aten::linear") is FP8
+    return ctx.policy.kind_of(f"{op_name}.default") is FP8
 
 
 _fp8_in_force_constant = _torch_compat.assume_constant_result(_fp8_in_force)
@@ -45,20 +53,34 @@ _fp8_in_force_constant = _torch_compat.assume_constant_result(_fp8_in_force)
 def trace_call(mode: TorchFunctionMode, func, args, kwargs):
     """The fp8 level's handler while Dynamo traces (its code becomes graph)."""
     recipe = mode.fp8_recipe
-    if recipe is None or getattr(func, "__name__", None) != "linear":
+    if recipe is None:
         return func(*args, **kwargs)
-    x, weight, bias = linear_arguments(args, kwargs)
+    name = getattr(func, "__name__", None)
+    op_name = _OPS.get(name)
+    if op_name is None:
+        if name in TRANSPOSES:  # x @ w.t(): the fp8 path needs to know w.t() is w's
+            return mark_transpose(func, args, kwargs)
+        return func(*args, **kwargs)
+    if op_name == "aten::linear":
+        x, weight, bias = linear_arguments(args, kwargs)
+        holder = weight
+    else:
+        call = linear_shaped(op_name, args, kwargs)
+        if call is None:
+            return func(*args, **kwargs)
+        x, weight, bias, holder = call
     if not isinstance(x, torch.Tensor):
         return func(*args, **kwargs)
     device_type = x.device.type
-    if not _fp8_in_force_constant(device_type):
+    if not _fp8_in_force_constant(device_type, op_name):
         return func(*args, **kwargs)
     dtype = torch.get_autocast_dtype(device_type)
-    if not fp8_eligible(recipe, device_type, x, weight, bias):
+    if not fp8_eligible(recipe, device_type, x, weight, bias, holder=holder):
         return func(*args, **kwargs)
-    # The weight carries its site (fp8/recipes.py): the graph updates its statistics,
-    # and delayed scaling's history, in place.
-    site = recipe._lookup(weight)
+    # The weight (the parameter, for a linear-shaped matmul) carries its site
+    # (fp8/recipes.py): the graph updates its statistics, and delayed scaling's history,
+    # in place.
+    site = recipe._lookup(holder)
     if site is None and recipe.stateful:
         _refuse_unbound_site(type(recipe).__name__)
     with torch.autocast(device_type, enabled=False):

@@ -19,7 +19,8 @@ Kinds:
     promote           run in the widest floating dtype among the inputs
     banned            refuse, with an error naming the safe alternative
     fp8               run as scaled fp8 gemms under the region's fp8 recipe
-                      (``autocast(..., fp8=recipe)``); only the ops in ``FP8_OPS``
+                      (``autocast(..., fp8=recipe)``) where the call is a linear, else
+                      as ``lower``; only the ops in ``FP8_OPS``
 
 The lists follow native autocast (the ops registered for the AutocastCUDA, AutocastCPU,
 AutocastXPU and AutocastMPS dispatch keys), as the union over the supported torch versions.
@@ -72,8 +73,11 @@ FP8 = CastKind.FP8
 KINDS = tuple(CastKind)
 
 # The ops a policy may mark fp8: a gemm with a 2-D weight, whose three gemms (output,
-# grad_input, grad_weight) the fp8 path implements.
-FP8_OPS = ("linear",)
+# grad_input, grad_weight) the fp8 path implements. linear, and the matmuls libraries
+# write a linear with (transformers' Conv1D: addmm(bias, x, w); x @ w.t()): their calls
+# whose right operand is a 2-D parameter or its transpose (fp8/_reach.py). The other
+# calls of an fp8 op run as ``lower``.
+FP8_OPS = ("linear", "addmm", "mm", "matmul")
 
 CUDA_TABLE = {
     LOWER: (

@@ -115,7 +115,8 @@ def _rules_from_table(table: Mapping[str, Iterable[OpLike]]) -> tuple[dict[str, 
             if kind is FP8 and name not in _FP8_NAMES:
                 raise ValueError(
                     f"{name} cannot be fp8: the fp8 path implements {list(_FP8_NAMES)} "
-                    f"(a gemm with a 2-D weight, forward and both gradients)"
+                    f"(a linear: a gemm with a 2-D weight, forward and both gradients); "
+                    f"give {name} another kind"
                 )
             rules[name] = kind
             if overload is None:
@@ -307,15 +308,24 @@ def policy_with_fp8_ops(policy: Policy) -> Policy:
     """``policy`` with ``op_tables.FP8_OPS`` marked fp8: what a region given ``fp8=`` and a
     policy that names no fp8 op applies. Memoized (regions are made once per step).
 
+    ``linear`` always; ``addmm``, ``mm`` and ``matmul`` (whose linear-shaped calls the fp8
+    path takes) where ``policy`` lowers them, limited to the overloads it lowers: their
+    other calls then run exactly as before, as ``lower``. An op the policy gives another
+    kind keeps it.
+
     Example::
 
-        >>> policy_with_fp8_ops(Policy.for_device("cpu")).kind_of("linear")
-        'fp8'
+        >>> p = policy_with_fp8_ops(Policy.for_device("cpu"))
+        >>> p.kind_of("linear"), p.kind_of("addmm"), p.kind_of("addmm.dtype")
+        ('fp8', 'fp8', None)
     """
     name = f"{policy.name} with fp8 {', '.join(FP8_OPS)}"
     derived = _WITH_FP8.get((policy._key, name))
     if derived is None:
-        derived = _WITH_FP8[(policy._key, name)] = policy.with_ops(fp8=FP8_OPS, name=name)
+        reach = {f"aten::{op}" for op in FP8_OPS if op != "linear"}
+        marked = ["linear"] + [entry for entry, kind in policy._entries()
+                               if kind is LOWER and entry.split(".", 1)[0] in reach]
+        derived = _WITH_FP8[(policy._key, name)] = policy.with_ops(fp8=marked, name=name)
     return derived
 
 

@@ -36,13 +36,15 @@ def _plain(t) -> bool:
 _LOOK_UP = object()
 
 
-def fp8_eligible(recipe: Recipe, device_type: str, x, weight, bias, name=_LOOK_UP) -> bool:
+def fp8_eligible(recipe: Recipe, device_type: str, x, weight, bias, name=_LOOK_UP, holder=None) -> bool:
     """Whether this ``linear`` call runs as fp8 gemms under ``recipe``.
 
     Plain floating tensors (float32, bfloat16, float16) on the region's device type, a
     2-D weight, shapes ``recipe.eligible`` accepts (every gemm dimension a multiple of 16,
-    then the recipe's ``filter_fn``, given ``name``: by default each name of the weight's
-    site, all of which it must accept).
+    then the recipe's ``filter_fn``, given ``name``: by default each name of the site of
+    ``holder``, all of which it must accept). ``holder``: the tensor whose site the call
+    uses, the weight itself unless the weight is a view of a parameter (a linear-shaped
+    matmul, ``_reach.py``).
 
     Example::
 
@@ -58,7 +60,7 @@ def fp8_eligible(recipe: Recipe, device_type: str, x, weight, bias, name=_LOOK_U
     if weight.dim() != 2 or (bias is not None and bias.shape != (weight.shape[0],)):
         return False
     if name is _LOOK_UP:
-        return recipe._accepts(weight, x.shape, weight.shape)
+        return recipe._accepts(weight if holder is None else holder, x.shape, weight.shape)
     return recipe.eligible(name, x.shape, weight.shape)
 
 

@@ -111,7 +111,9 @@ def quantize_weight(recipe, weight: torch.Tensor, fmt: torch.dtype, site, record
     if site is None or torch.compiler.is_compiling() or weight.is_inference():  # no version counter there
         q, q_t, sc, _ = quantize(recipe, weight, "weight", fmt, site, record, scale, need_qt=need_qt)
         return q, q_t, sc
-    key = (weight._version, weight.data_ptr(), weight.device, fmt, torch.is_inference_mode_enabled())
+    # The strides tell a parameter from its transpose (one site, two linears: a tied
+    # weight called as linear(x, p) and as addmm(b, x, p), see _reach.py).
+    key = (weight._version, weight.data_ptr(), weight.stride(), weight.device, fmt, torch.is_inference_mode_enabled())
     cached = site.cached
     if (cached is not None and cached.key == key and (cached.q_t is not None or not need_qt)
             and (scale is None or scale.data_ptr() == cached.sc.data_ptr())):

@@ -184,8 +184,10 @@ class Recipe:
         return not (rows == 0 or rows % 16 or weight_shape[0] % 16 or weight_shape[1] % 16)
 
     def _accepts(self, weight: torch.Tensor, input_shape: torch.Size, weight_shape: torch.Size) -> bool:
-        """``eligible`` for a call with ``weight``: ``filter_fn`` is asked for every name of
-        its site (a tied weight's each) and must accept them all."""
+        """``eligible`` for a call with ``weight`` (the tensor that holds the site; its
+        transpose for a linear-shaped matmul on an ``(in, out)`` parameter, whose
+        ``weight_shape`` is that of the linear, ``(out, in)``): ``filter_fn`` is asked for
+        every name of its site (a tied weight's each) and must accept them all."""
         if not self._shapes_ok(input_shape, weight_shape):
             return False
         if self.filter_fn is None:
