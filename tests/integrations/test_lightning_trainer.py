@@ -359,3 +359,97 @@ def test_a_plugin_without_a_device_names_the_plugin_and_the_fix():
     with pytest.raises(TypeError, match=r"MixedPrecision\('16-mixed'\) needs the device type .* MixedPrecision\('16-mixed', 'cuda'\)") as err:
         MixedPrecision("16-mixed")
     assert "PolicyPrecision" not in str(err.value)
+
+
+# -- fp8 recipes as users meet them: validate first, ddp_spawn, true precisions ----------------
+def _quiet_fit(trainer, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(does not have many workers|bfloat16|GPU available|val_dataloader"
+                                                  "|Skipping val loop|process group).*")
+        return trainer.fit(*args, **kwargs)
+
+
+class Fp8Eval(Fp8Tiny):
+    """Fp8Tiny with an evaluation: the losses it trains on, and a validation set given to
+    ``trainer.validate`` only (so ``fit`` runs no validation of its own)."""
+
+    def __init__(self):
+        super().__init__()
+        self.losses = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(loss.detach().clone())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        return self.net(batch[0]).float().pow(2).mean()
+
+
+VAL_X = torch.randn(32, 16, generator=torch.Generator().manual_seed(2)) * 3  # other amaxes than training's
+
+
+def _val_loader():
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(VAL_X), batch_size=16)
+
+
+def _fp8_trainer(recipe, steps, **kwargs):
+    from dispatch_amp.integrations.lightning import Trainer
+
+    return Trainer(accelerator="cpu", devices=1, max_steps=steps, precision="bf16-mixed", amp_fp8=recipe,
+                   num_sanity_val_steps=0, **_quiet_trainer(**kwargs))
+
+
+def _fit_fp8_eval(recipe, steps, validate_first):
+    model = Fp8Eval()
+    trainer = _fp8_trainer(recipe, steps)
+    if validate_first:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+            trainer.validate(model, dataloaders=_val_loader(), verbose=False)
+    _quiet_fit(trainer, model)
+    return model
+
+
+@pytest.mark.parametrize("make", [amp.fp8.CurrentScaling, amp.fp8.RowwiseScaling], ids=["current", "rowwise"])
+def test_validate_before_fit_leaves_a_stateless_recipe_training_as_without(same, make):
+    # trainer.validate runs under torch.inference_mode: the fp8 path's first call there
+    # must leave nothing (an inference tensor) that training later updates in place.
+    straight = _fit_fp8_eval(make(), 3, validate_first=False)
+    after = _fit_fp8_eval(make(), 3, validate_first=True)
+    assert after.out_dtypes == [torch.bfloat16] * 3
+    assert same(after.losses, straight.losses)
+    assert same(list(after.parameters()), list(straight.parameters()))
+
+
+def test_validate_before_fit_records_into_a_delayed_recipe_as_documented(same):
+    # docs/fp8.md: every call records, evaluation calls included. So the fit after the
+    # validate is the same model trained by hand after the same evaluation forwards, and
+    # the validation's amaxes are in the histories.
+    steps = 3
+    recipe = amp.fp8.DelayedScaling(amax_history_len=8)
+    model = _fit_fp8_eval(recipe, steps, validate_first=True)
+
+    by_hand = Fp8Eval()
+    mine = amp.fp8.DelayedScaling(amax_history_len=8)
+    region = amp.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False, fp8=mine)
+    with torch.inference_mode(), region:
+        for (x,) in _val_loader():
+            by_hand.validation_step((x,), 0)
+    optimizer = by_hand.configure_optimizers()
+    for (x,) in list(by_hand.train_dataloader()) * steps:
+        with amp.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False, fp8=mine):
+            loss = by_hand.training_step((x,), 0)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert same(model.losses, by_hand.losses)
+    assert same(list(model.parameters()), list(by_hand.parameters()))
+    assert same(recipe.state_dict(), mine.state_dict())
+
+    # The oldest input amax of the first layer is the first validation batch's.
+    history = recipe.state_dict()["sites"]["net.0"]["input_history"]
+    assert history.dtype == torch.float32
+    amaxes = [x.abs().max() for (x,) in _val_loader()]
+    want_tail = torch.stack(amaxes[::-1]).float()  # newest first: the second batch, then the first
+    assert torch.equal(history[steps:steps + 2], want_tail)
