@@ -453,3 +453,70 @@ def test_validate_before_fit_records_into_a_delayed_recipe_as_documented(same):
     amaxes = [x.abs().max() for (x,) in _val_loader()]
     want_tail = torch.stack(amaxes[::-1]).float()  # newest first: the second batch, then the first
     assert torch.equal(history[steps:steps + 2], want_tail)
+
+
+# Names the filter was asked for, in this process (each spawned process has its own).
+_ASKED: list = []
+
+
+def _fp8_but_the_head(name, input_shape, weight_shape):
+    _ASKED.append(name)
+    return name != "net.2"
+
+
+class SpawnFp8(Fp8Tiny):
+    """Two ranks, one batch of 16 rows each per step (DistributedSampler: rank r gets rows
+    r, r+2, ...); rank 1's rows are three times larger, so its amaxes are the larger ones.
+    Each process files what its recipe saw at the end of training."""
+
+    def __init__(self, out_dir: str):
+        super().__init__()
+        self.out_dir = out_dir
+
+    def train_dataloader(self):
+        x = torch.randn(32, 16, generator=torch.Generator().manual_seed(1))
+        x[1::2] *= 3
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=16)
+
+    def on_train_end(self):
+        recipe = self.trainer.precision_plugin.fp8
+        torch.save({"asked": sorted(set(_ASKED), key=str), "calls": {r.name: r.calls for r in recipe.report()},
+                    "state": recipe.state_dict(), "rows": self.trainer.train_dataloader.dataset.tensors[0].shape[0]},
+                   f"{self.out_dir}/rank{self.global_rank}.pt")
+
+
+def test_ddp_spawn_trains_a_bound_delayed_recipe_with_a_filter_by_name(tmp_path, same):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from dispatch_amp.integrations.lightning import Trainer
+
+    steps = 2
+    model = SpawnFp8(str(tmp_path))
+    before = [p.detach().clone() for p in model.parameters()]
+    recipe = amp.fp8.DelayedScaling(amax_history_len=4, filter_fn=_fp8_but_the_head).bind(model)
+    sent = recipe.state_dict()
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=steps, precision="bf16-mixed",
+                      amp_fp8=recipe, callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "ckpt"))],
+                      logger=False, enable_progress_bar=False, enable_model_summary=False, amp_metrics=False)
+    _quiet_fit(trainer, model)
+
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for got in ranks:
+        assert got["asked"] == ["net.0", "net.2"], "the filter is asked by the bound names in every process"
+        assert got["calls"] == {"net.0": steps}, "the head, which the filter refuses, never ran in fp8"
+    # One reduced history on both ranks, and in rank 0's: rank 1's (larger) input amaxes.
+    assert same(ranks[0]["state"], ranks[1]["state"])
+    x = model.train_dataloader().dataset.tensors[0]
+    history = ranks[0]["state"]["sites"]["net.0"]["input_history"]
+    assert history.dtype == torch.float32
+    assert torch.equal(history, torch.stack([x.abs().max()] * steps + [torch.tensor(0.0)] * 2))
+    assert x[1::2].abs().max() > x[0::2].abs().max()
+    # The head's site was never used: its state is as sent.
+    assert same(ranks[0]["state"]["sites"]["net.2"], sent["sites"]["net.2"])
+
+    # Lightning sends back rank 0's weights, and the checkpoint holds rank 0's recipe state;
+    # the parent's recipe is the one it had before fit (a pickled recipe is a recipe of its own).
+    assert not any(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    saved = torch.load(trainer.checkpoint_callback.best_model_path, weights_only=False)
+    assert same(saved["dispatch_amp_fp8"], ranks[0]["state"])
+    assert same(recipe.state_dict(), sent)
