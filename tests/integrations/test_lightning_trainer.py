@@ -520,3 +520,33 @@ def test_ddp_spawn_trains_a_bound_delayed_recipe_with_a_filter_by_name(tmp_path,
     saved = torch.load(trainer.checkpoint_callback.best_model_path, weights_only=False)
     assert same(saved["dispatch_amp_fp8"], ranks[0]["state"])
     assert same(recipe.state_dict(), sent)
+
+
+@pytest.mark.parametrize("precision,dtype", [("bf16-true", torch.bfloat16), ("16-true", torch.float16)])
+def test_true_precisions_at_o2_train_a_bound_delayed_recipe(same, precision, dtype):
+    # Lightning's HalfPrecision switches the default dtype to 16 bits around each step;
+    # the recipe's scales and histories must stay float32 (torch._scaled_mm takes no other).
+    from dispatch_amp.integrations.lightning import Trainer
+
+    steps = 3
+    model = Fp8Eval()
+    recipe = amp.fp8.DelayedScaling(amax_history_len=4).bind(model)
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=steps, precision=precision, amp_opt_level="O2",
+                      amp_fp8=recipe, num_sanity_val_steps=0, **_quiet_trainer())
+    _quiet_fit(trainer, model)
+
+    assert trainer.precision_plugin.props.master_weights and len(model.losses) == steps
+    assert all(torch.isfinite(loss) for loss in model.losses) and model.out_dtypes == [dtype] * steps
+    assert all(p.dtype == dtype for p in model.parameters())
+    # The 16-bit weights that replaced the bound float32 ones took over their sites.
+    assert sorted((r.name, r.calls) for r in recipe.report()) == [("net.0", steps), ("net.2", steps)]
+    state = recipe.state_dict()
+    assert sorted(state["sites"]) == ["net.0", "net.2"]
+    assert all(t.dtype == torch.float32 for site in state["sites"].values() for t in site.values()
+               if t.is_floating_point())
+    assert all(s.roles[role].f.dtype == torch.float32 for s in recipe._sites() for role in s.roles)
+    # The first layer's input is the batch, cast to 16 bits by the plugin: every step's amax.
+    x = model.train_dataloader().dataset.tensors[0]
+    want = x.to(dtype).abs().max().float()
+    assert torch.equal(state["sites"]["net.0"]["input_history"], torch.stack([want] * steps + [torch.tensor(0.0)]))
+    assert all(torch.isfinite(s["weight_scale"]).all() and (s["weight_scale"] > 0).all() for s in state["sites"].values())
