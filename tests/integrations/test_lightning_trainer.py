@@ -1,5 +1,6 @@
 """Lightning Trainer: our plugin trains bit-identically to Lightning's MixedPrecision, and
-checkpoints move between the two with the loss scale kept."""
+checkpoints move between the two with the loss scale kept; fp8 recipes as users meet them
+(validate before fit, ddp_spawn, true precisions at O2)."""
 
 from __future__ import annotations
 
@@ -549,4 +550,5 @@ def test_true_precisions_at_o2_train_a_bound_delayed_recipe(same, precision, dty
     x = model.train_dataloader().dataset.tensors[0]
     want = x.to(dtype).abs().max().float()
     assert torch.equal(state["sites"]["net.0"]["input_history"], torch.stack([want] * steps + [torch.tensor(0.0)]))
-    assert all(torch.isfinite(s["weight_scale"]).all() and (s["weight_scale"] > 0).all() for s in state["sites"].values())
+    scales = [s[f"{role}_scale"] for s in state["sites"].values() for role in ("input", "weight")]
+    assert all(torch.isfinite(t).all() and (t > 0).all() for t in scales)
