@@ -1,5 +1,6 @@
 """Lightning Trainer: our plugin trains bit-identically to Lightning's MixedPrecision, and
-checkpoints move between the two with the loss scale kept."""
+checkpoints move between the two with the loss scale kept; fp8 recipes as users meet them
+(validate before fit, ddp_spawn, true precisions at O2)."""
 
 from __future__ import annotations
 
@@ -359,3 +360,195 @@ def test_a_plugin_without_a_device_names_the_plugin_and_the_fix():
     with pytest.raises(TypeError, match=r"MixedPrecision\('16-mixed'\) needs the device type .* MixedPrecision\('16-mixed', 'cuda'\)") as err:
         MixedPrecision("16-mixed")
     assert "PolicyPrecision" not in str(err.value)
+
+
+# -- fp8 recipes as users meet them: validate first, ddp_spawn, true precisions ----------------
+def _quiet_fit(trainer, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(does not have many workers|bfloat16|GPU available|val_dataloader"
+                                                  "|Skipping val loop|process group).*")
+        return trainer.fit(*args, **kwargs)
+
+
+class Fp8Eval(Fp8Tiny):
+    """Fp8Tiny with an evaluation: the losses it trains on, and a validation set given to
+    ``trainer.validate`` only (so ``fit`` runs no validation of its own)."""
+
+    def __init__(self):
+        super().__init__()
+        self.losses = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(loss.detach().clone())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        return self.net(batch[0]).float().pow(2).mean()
+
+
+VAL_X = torch.randn(32, 16, generator=torch.Generator().manual_seed(2)) * 3  # other amaxes than training's
+
+
+def _val_loader():
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(VAL_X), batch_size=16)
+
+
+def _fp8_trainer(recipe, steps, **kwargs):
+    from dispatch_amp.integrations.lightning import Trainer
+
+    return Trainer(accelerator="cpu", devices=1, max_steps=steps, precision="bf16-mixed", amp_fp8=recipe,
+                   num_sanity_val_steps=0, **_quiet_trainer(**kwargs))
+
+
+def _fit_fp8_eval(recipe, steps, validate_first):
+    model = Fp8Eval()
+    trainer = _fp8_trainer(recipe, steps)
+    if validate_first:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+            trainer.validate(model, dataloaders=_val_loader(), verbose=False)
+    _quiet_fit(trainer, model)
+    return model
+
+
+@pytest.mark.parametrize("make", [amp.fp8.CurrentScaling, amp.fp8.RowwiseScaling], ids=["current", "rowwise"])
+def test_validate_before_fit_leaves_a_stateless_recipe_training_as_without(same, make):
+    # trainer.validate runs under torch.inference_mode: the fp8 path's first call there
+    # must leave nothing (an inference tensor) that training later updates in place.
+    straight = _fit_fp8_eval(make(), 3, validate_first=False)
+    after = _fit_fp8_eval(make(), 3, validate_first=True)
+    assert after.out_dtypes == [torch.bfloat16] * 3
+    assert same(after.losses, straight.losses)
+    assert same(list(after.parameters()), list(straight.parameters()))
+
+
+def test_validate_before_fit_records_into_a_delayed_recipe_as_documented(same):
+    # docs/fp8.md: every call records, evaluation calls included. So the fit after the
+    # validate is the same model trained by hand after the same evaluation forwards, and
+    # the validation's amaxes are in the histories.
+    steps = 3
+    recipe = amp.fp8.DelayedScaling(amax_history_len=8)
+    model = _fit_fp8_eval(recipe, steps, validate_first=True)
+
+    by_hand = Fp8Eval()
+    mine = amp.fp8.DelayedScaling(amax_history_len=8)
+    region = amp.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False, fp8=mine)
+    with torch.inference_mode(), region:
+        for (x,) in _val_loader():
+            by_hand.validation_step((x,), 0)
+    optimizer = by_hand.configure_optimizers()
+    for (x,) in list(by_hand.train_dataloader()) * steps:
+        with amp.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False, fp8=mine):
+            loss = by_hand.training_step((x,), 0)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert same(model.losses, by_hand.losses)
+    assert same(list(model.parameters()), list(by_hand.parameters()))
+    assert same(recipe.state_dict(), mine.state_dict())
+
+    # The oldest input amax of the first layer is the first validation batch's.
+    history = recipe.state_dict()["sites"]["net.0"]["input_history"]
+    assert history.dtype == torch.float32
+    amaxes = [x.abs().max() for (x,) in _val_loader()]
+    want_tail = torch.stack(amaxes[::-1]).float()  # newest first: the second batch, then the first
+    assert torch.equal(history[steps:steps + 2], want_tail)
+
+
+# Names the filter was asked for, in this process (each spawned process has its own).
+_ASKED: list = []
+
+
+def _fp8_but_the_head(name, input_shape, weight_shape):
+    _ASKED.append(name)
+    return name != "net.2"
+
+
+class SpawnFp8(Fp8Tiny):
+    """Two ranks, one batch of 16 rows each per step (DistributedSampler: rank r gets rows
+    r, r+2, ...); rank 1's rows are three times larger, so its amaxes are the larger ones.
+    Each process files what its recipe saw at the end of training."""
+
+    def __init__(self, out_dir: str):
+        super().__init__()
+        self.out_dir = out_dir
+
+    def train_dataloader(self):
+        x = torch.randn(32, 16, generator=torch.Generator().manual_seed(1))
+        x[1::2] *= 3
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=16)
+
+    def on_train_end(self):
+        recipe = self.trainer.precision_plugin.fp8
+        torch.save({"asked": sorted(set(_ASKED), key=str), "calls": {r.name: r.calls for r in recipe.report()},
+                    "state": recipe.state_dict(), "rows": self.trainer.train_dataloader.dataset.tensors[0].shape[0]},
+                   f"{self.out_dir}/rank{self.global_rank}.pt")
+
+
+def test_ddp_spawn_trains_a_bound_delayed_recipe_with_a_filter_by_name(tmp_path, same):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from dispatch_amp.integrations.lightning import Trainer
+
+    steps = 2
+    model = SpawnFp8(str(tmp_path))
+    before = [p.detach().clone() for p in model.parameters()]
+    recipe = amp.fp8.DelayedScaling(amax_history_len=4, filter_fn=_fp8_but_the_head).bind(model)
+    sent = recipe.state_dict()
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=steps, precision="bf16-mixed",
+                      amp_fp8=recipe, callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "ckpt"))],
+                      logger=False, enable_progress_bar=False, enable_model_summary=False, amp_metrics=False)
+    _quiet_fit(trainer, model)
+
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for got in ranks:
+        assert got["asked"] == ["net.0", "net.2"], "the filter is asked by the bound names in every process"
+        assert got["calls"] == {"net.0": steps}, "the head, which the filter refuses, never ran in fp8"
+    # One reduced history on both ranks, and in rank 0's: rank 1's (larger) input amaxes.
+    assert same(ranks[0]["state"], ranks[1]["state"])
+    x = model.train_dataloader().dataset.tensors[0]
+    history = ranks[0]["state"]["sites"]["net.0"]["input_history"]
+    assert history.dtype == torch.float32
+    assert torch.equal(history, torch.stack([x.abs().max()] * steps + [torch.tensor(0.0)] * 2))
+    assert x[1::2].abs().max() > x[0::2].abs().max()
+    # The head's site was never used: its state is as sent.
+    assert same(ranks[0]["state"]["sites"]["net.2"], sent["sites"]["net.2"])
+
+    # Lightning sends back rank 0's weights, and the checkpoint holds rank 0's recipe state;
+    # the parent's recipe is the one it had before fit (a pickled recipe is a recipe of its own).
+    assert not any(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    saved = torch.load(trainer.checkpoint_callback.best_model_path, weights_only=False)
+    assert same(saved["dispatch_amp_fp8"], ranks[0]["state"])
+    assert same(recipe.state_dict(), sent)
+
+
+@pytest.mark.parametrize("precision,dtype", [("bf16-true", torch.bfloat16), ("16-true", torch.float16)])
+def test_true_precisions_at_o2_train_a_bound_delayed_recipe(same, precision, dtype):
+    # Lightning's HalfPrecision switches the default dtype to 16 bits around each step;
+    # the recipe's scales and histories must stay float32 (torch._scaled_mm takes no other).
+    from dispatch_amp.integrations.lightning import Trainer
+
+    steps = 3
+    model = Fp8Eval()
+    recipe = amp.fp8.DelayedScaling(amax_history_len=4).bind(model)
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=steps, precision=precision, amp_opt_level="O2",
+                      amp_fp8=recipe, num_sanity_val_steps=0, **_quiet_trainer())
+    _quiet_fit(trainer, model)
+
+    assert trainer.precision_plugin.props.master_weights and len(model.losses) == steps
+    assert all(torch.isfinite(loss) for loss in model.losses) and model.out_dtypes == [dtype] * steps
+    assert all(p.dtype == dtype for p in model.parameters())
+    # The 16-bit weights that replaced the bound float32 ones took over their sites.
+    assert sorted((r.name, r.calls) for r in recipe.report()) == [("net.0", steps), ("net.2", steps)]
+    state = recipe.state_dict()
+    assert sorted(state["sites"]) == ["net.0", "net.2"]
+    assert all(t.dtype == torch.float32 for site in state["sites"].values() for t in site.values()
+               if t.is_floating_point())
+    assert all(s.roles[role].f.dtype == torch.float32 for s in recipe._sites() for role in s.roles)
+    # The first layer's input is the batch, cast to 16 bits by the plugin: every step's amax.
+    x = model.train_dataloader().dataset.tensors[0]
+    want = x.to(dtype).abs().max().float()
+    assert torch.equal(state["sites"]["net.0"]["input_history"], torch.stack([want] * steps + [torch.tensor(0.0)]))
+    scales = [s[f"{role}_scale"] for s in state["sites"].values() for role in ("input", "weight")]
+    assert all(torch.isfinite(t).all() and (t > 0).all() for t in scales)

@@ -397,7 +397,9 @@ def failing_worker(rank, how):
 def fp8_worker(rank):
     """DelayedScaling under DDP and FSDP2: each rank sees other activations (rank 1's are
     three times larger); with amax reduction every rank keeps the same histories, equal to
-    the max of the ranks' own amaxes; without it they differ."""
+    the max of the ranks' own amaxes; without it they differ. "ddp-closure" runs the forward
+    and backward inside ``optimizer.step(closure)``, as Lightning's Trainer does without a
+    loss scaler: each step's amaxes must still be in the history once the step is done."""
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -408,7 +410,7 @@ def fp8_worker(rank):
         return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
 
     out = {}
-    for setup in ("ddp", "ddp-no-reduce", "fsdp2"):
+    for setup in ("ddp", "ddp-closure", "ddp-no-reduce", "fsdp2"):
         model = fp8_model()
         if setup == "fsdp2":
             fully_shard(model[0])
@@ -424,10 +426,18 @@ def fp8_worker(rank):
         for step in range(3):
             x = torch.randn(16, 32, generator=torch.Generator().manual_seed(10 * step + rank)) * (1 + 2 * rank)
             local_amax.append(x.abs().max())
-            with amp.autocast("cpu", dtype=torch.bfloat16, fp8=recipe):
-                loss = model(x).float().pow(2).mean()
-            loss.backward()
-            opt.step()
+
+            def closure(x=x):
+                with amp.autocast("cpu", dtype=torch.bfloat16, fp8=recipe):
+                    loss = model(x).float().pow(2).mean()
+                loss.backward()
+                return loss
+
+            if setup == "ddp-closure":
+                opt.step(closure)
+            else:
+                closure()
+                opt.step()
             opt.zero_grad()
         sites = recipe._sites()
         out[setup] = {
@@ -727,7 +737,7 @@ def fp8_run(tmp_path_factory):
     return all_results(run_ranks(fp8_worker, tmp_path_factory.mktemp("fp8"), deadline_s=120.0))
 
 
-@pytest.mark.parametrize("setup", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("setup", ["ddp", "ddp-closure", "fsdp2"])
 def test_fp8_delayed_scaling_keeps_one_history_across_ranks(fp8_run, setup):
     r0, r1 = fp8_run[0][setup], fp8_run[1][setup]
     assert r0["sites"] == r1["sites"] == 2

@@ -1,10 +1,14 @@
-"""What recipes do when an optimizer steps: one global optimizer pre-step hook, installed
-while some recipe needs it and removed by itself when none does.
+"""What recipes do when an optimizer steps: one global optimizer pre-step hook and one
+post-step hook, installed while some recipe needs them and removed by themselves when none
+does.
 
-Two things wait for the step: delayed scaling's amaxes across ranks (each rank reduces
-them there, at a point every rank reaches the same number of times, whatever fp8 calls
-each one made), and the fp8 weight cache (the weights are about to change; the quantized
-copies are freed before the optimizer allocates its own state).
+Before the step, the fp8 weight cache is emptied (the weights are about to change; the
+quantized copies are freed before the optimizer allocates its own state). After the step,
+delayed scaling reduces its amaxes across ranks: a point every rank reaches the same number
+of times, whatever fp8 calls each one made, and one that follows the step's forward and
+backward also where they run inside ``optimizer.step(closure)`` (Lightning's Trainer
+without a loss scaler, LBFGS), so each step's amaxes are in the history, and in a
+checkpoint, as soon as the step is done.
 """
 
 from __future__ import annotations
@@ -12,33 +16,39 @@ from __future__ import annotations
 import threading
 import weakref
 
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 __all__ = ["watch", "watching"]
 
 _lock = threading.Lock()
 _recipes: weakref.WeakSet = weakref.WeakSet()
-_handle = None
+_handles: list = []
 
 
 def _before_step(optimizer, args, kwargs) -> None:
-    global _handle
     for recipe in list(_recipes):
         recipe._before_optimizer_step(optimizer)
+
+
+def _after_step(optimizer, args, kwargs) -> None:
+    for recipe in list(_recipes):
+        recipe._after_optimizer_step(optimizer)
     with _lock:
-        if not _recipes and _handle is not None:
-            _handle.remove()
-            _handle = None
+        if not _recipes and _handles:
+            for handle in _handles:
+                handle.remove()
+            _handles.clear()
 
 
 def watch(recipe) -> None:
-    """Calls ``recipe._before_optimizer_step(optimizer)`` before every optimizer step
-    while ``recipe`` exists."""
-    global _handle
+    """Calls ``recipe._before_optimizer_step(optimizer)`` before and
+    ``recipe._after_optimizer_step(optimizer)`` after every optimizer step while
+    ``recipe`` exists."""
     with _lock:
         _recipes.add(recipe)
-        if _handle is None:
-            _handle = register_optimizer_step_pre_hook(_before_step)
+        if not _handles:
+            _handles.append(register_optimizer_step_pre_hook(_before_step))
+            _handles.append(register_optimizer_step_post_hook(_after_step))
 
 
 def watching(recipe) -> bool:

@@ -265,6 +265,9 @@ class Recipe:
         for site in self._registry.sites:
             site.cached = site.cached_bias = None
 
+    def _after_optimizer_step(self, optimizer) -> None:
+        """Called after an optimizer stepped while the recipe is watched (``_step_hooks``)."""
+
     # -- state dict -----------------------------------------------------------------------
     def state_dict(self) -> dict:
         """The recipe's state (empty for recipes that keep none besides statistics)."""
@@ -525,8 +528,12 @@ class DelayedScaling(Recipe):
         if not state.ready and not torch.compiler.is_compiling() and self._deferring() is None:
             _send_probe(state)
 
-    def _before_optimizer_step(self, optimizer) -> None:
-        super()._before_optimizer_step(optimizer)
+    def _after_optimizer_step(self, optimizer) -> None:
+        # After the step, not before: where the forward and backward run inside
+        # optimizer.step(closure) (Lightning's Trainer without a loss scaler), a reduction
+        # before the step would leave each step's amaxes waiting for the next one, and out
+        # of a checkpoint saved in between.
+        super()._after_optimizer_step(optimizer)
         group = self._deferring()
         if group is not None:
             self._reduce_amaxes(group)
