@@ -452,6 +452,33 @@ def test_torch_checkpoint_refuses_a_linear_shaped_matmul_and_amp_checkpoint_repl
     assert all(torch.equal(g, h.t() if g.dim() == 2 else h) for g, h in zip(grads, grads_ref))
 
 
+@pytest.mark.parametrize("spelling", ["attention matmul", "bmm", "linear with odd sizes"])
+def test_calls_that_are_not_fp8_run_inside_torch_checkpoint_as_native_runs_them(spelling):
+    # Only the calls the fp8 path takes are refused inside torch.utils.checkpoint (its
+    # recomputation runs under native autocast); the others are cast as native casts them,
+    # so torch's checkpoint recomputes them exactly, as under native autocast.
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 16, 16, generator=g), torch.randn(2, 4, 16, 16, generator=g)
+    odd = nn.Linear(10, 6)
+    fns = {
+        "attention matmul": lambda a: a @ k.transpose(-2, -1),
+        "bmm": lambda a: torch.bmm(a.flatten(0, 1), k.flatten(0, 1).transpose(-2, -1)),
+        "linear with odd sizes": lambda a: odd(a[..., :10]),
+    }
+    fn = fns[spelling]
+    outs, grads = [], []
+    for region in (lambda: amp.autocast("cpu", dtype=torch.bfloat16, fp8=fp8.CurrentScaling()),
+                   lambda: torch.autocast("cpu", dtype=torch.bfloat16)):
+        a = q.clone().requires_grad_(True)
+        with region():
+            y = torch.utils.checkpoint.checkpoint(fn, a, use_reentrant=False)
+        y.float().sum().backward()
+        outs.append(y)
+        grads.append(a.grad)
+    assert outs[0].dtype == torch.bfloat16
+    assert torch.equal(outs[0], outs[1]) and torch.equal(grads[0], grads[1])
+
+
 # -- transformers' GPT-2 -------------------------------------------------------------------------
 def _gpt2():
     config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=128, n_positions=32)

@@ -21,7 +21,9 @@ from ..fp8 import fp8_linear
 from ..fp8._eligibility import fp8_eligible, linear_arguments
 from ..fp8._reach import linear_shaped
 from ._handlers import lower
-from ._torch_checkpoint import inside_torch_checkpoint
+from ._torch_checkpoint import inside_torch_checkpoint, refuse_inside_torch_checkpoint
+from .op_tables import FP8
+from .policy import Policy
 
 __all__ = ["fp8"]
 
@@ -49,13 +51,19 @@ def fp8(ctx, st, op, keyset, args, kwargs):
         x, weight, bias, holder = call
     if not fp8_eligible(recipe, ctx.device_type, x, weight, bias, holder=holder):
         return lower(ctx, st, op, keyset, args, kwargs)
+    # torch.utils.checkpoint recomputes under native autocast, which would run this call
+    # in the region's dtype: refused, with the way out (dispatch_amp.checkpoint). Only
+    # here: the calls that do not take the fp8 path are cast as native casts them.
+    in_torch_checkpoint = not st.own_checkpoint and inside_torch_checkpoint()
+    if in_torch_checkpoint:
+        native_kind = Policy.for_device(ctx.device_type).rules.get(op.overloadpacket._qualified_op_name)
+        refuse_inside_torch_checkpoint(ctx, st, op.overloadpacket.__name__, FP8, native_kind)
     # A forward call made while a backward runs is activation checkpointing recomputing
     # the forward; one made under a checkpoint will be recomputed. Recipes with state
-    # replay the first's scales for the second (DelayedScaling); only they need to know
-    # the second, which costs a walk up the stack.
+    # replay the first's scales for the second (DelayedScaling).
     if _graph_task_id() != -1:
         phase = "recompute"
-    elif recipe.stateful and (st.own_checkpoint or inside_torch_checkpoint()):
+    elif recipe.stateful and (st.own_checkpoint or in_torch_checkpoint):
         phase = "checkpointed"
     else:
         phase = "forward"

@@ -123,7 +123,9 @@ class Plan:
             handler = _SIMPLE[kind]
         if self.policy._key != self._native._key:
             native_kind = _kind(self._native, op)
-            if native_kind is not kind:
+            # fp8's handler refuses torch's checkpoint itself, for the calls it takes to
+            # the fp8 path only: its other calls are cast as native casts them.
+            if native_kind is not kind and kind is not FP8:
                 handler = refusing_torch_checkpoint(handler, kind, native_kind)
         return handler
 
