@@ -2,8 +2,8 @@
 
 Only floating tensors of the context's device are cast, float64 never; lower-precision
 casts of float32 leaves that require grad (weights) are cached, as native caches them
-(``cast_one``); promote looks inside list arguments. The handlers of ``_handlers.py`` apply
-these per cast kind; the fp8 tracing path (``_tracing_path.py``) shares the rules.
+(``cast_one``); promote looks inside list arguments. The handlers of ``_handlers.py`` (and
+the cuDNN RNN handler) apply these per cast kind.
 
 Functions here take the region's context and thread state as plain objects (duck typed):
 ``ctx.dtype`` and ``ctx.on_device``; the cache itself is ``_cast_cache.py``.
@@ -15,7 +15,6 @@ import torch
 
 from .. import _torch_compat
 from . import _cast_cache
-from .op_tables import FP8, FP32, FP32_UNLESS_DTYPE, LOWER, PROMOTE, CastKind
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -141,24 +140,6 @@ def eligible(t, device_type: str) -> bool:
         isinstance(t, _Tensor) and t.is_floating_point() and t.dtype is not _float64
         and t.device.type == device_type
     )
-
-
-def target_dtype(kind: CastKind, low: torch.dtype, device_type: str, args, kwargs) -> torch.dtype | None:
-    """The dtype ``kind`` casts a call's floating inputs to (None: run as given), with
-    ``low`` the region's lower precision, for the calls the fp8 tracing path casts."""
-    if kind is LOWER or kind is FP8:
-        # fp8 calls the fp8 path does not take run in the region's dtype.
-        return low
-    if kind is FP32:
-        return _float32
-    if kind is FP32_UNLESS_DTYPE:
-        # An explicit dtype argument already says how to accumulate: run as given.
-        if (kwargs and kwargs.get("dtype") is not None) or any(isinstance(a, torch.dtype) for a in args):
-            return None
-        return _float32
-    if kind is PROMOTE:
-        return promote_dtype(low, device_type, args, kwargs)
-    raise AssertionError(f"not a casting CastKind member: {kind!r}")  # pragma: no cover
 
 
 _BCE_MESSAGE = (
