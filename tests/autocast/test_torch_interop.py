@@ -540,45 +540,38 @@ class _WeightCasts(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_backward_that_reenters_autocast_reuses_the_forwards_weight_cast():
-    counts = {}
-    for region in (native, ours):
-        _Linear.region = region
-        x, w = torch.randn(2, 3), nn.Parameter(torch.randn(4, 3))
+def _weight_casts(region, backward_inside: bool, keep_native_cache: bool = False) -> int:
+    """How often the weight is cast when ``_Linear``'s backward re-enters ``region``,
+    the backward run inside the region or after it (with ``torch.clear_autocast_cache``
+    replaced by a no-op where ``keep_native_cache``, as torch's own test does)."""
+    _Linear.region = region
+    x, w = torch.randn(2, 3), nn.Parameter(torch.randn(4, 3))
+    with mock.patch("torch.clear_autocast_cache") if keep_native_cache else contextlib.nullcontext():
         with _WeightCasts(w) as casts:
             with region():
-                _Linear.apply(x, w).sum().backward()  # backward inside the region
-        counts[region] = casts.count
-    assert counts[ours] == counts[native] == 1
+                s = _Linear.apply(x, w).sum()
+                if backward_inside:
+                    s.backward()
+            if not backward_inside:
+                s.backward()
+    return casts.count
+
+
+def test_a_backward_that_reenters_autocast_reuses_the_forwards_weight_cast():
+    assert _weight_casts(ours, backward_inside=True) == _weight_casts(native, backward_inside=True) == 1
 
 
 def test_a_backward_after_the_region_reuses_its_weight_cast_while_torch_keeps_its_cache():
     # torch's own test of its global cache: with torch.clear_autocast_cache replaced by a
     # no-op, a backward run after the region closes re-enters autocast and finds the
     # forward's weight cast. Our cache follows the same function.
-    counts = {}
-    for region in (native, ours):
-        _Linear.region = region
-        x, w = torch.randn(2, 3), nn.Parameter(torch.randn(4, 3))
-        with mock.patch("torch.clear_autocast_cache"), _WeightCasts(w) as casts:
-            with region():
-                s = _Linear.apply(x, w).sum()
-            s.backward()  # after the region
-        counts[region] = casts.count
-    assert counts[ours] == counts[native] == 1
+    counts = [_weight_casts(r, backward_inside=False, keep_native_cache=True) for r in (ours, native)]
+    assert counts == [1, 1]
 
 
 def test_a_backward_after_the_region_casts_again_when_torch_clears_its_cache():
-    counts = {}
-    for region in (native, ours):
-        _Linear.region = region
-        x, w = torch.randn(2, 3), nn.Parameter(torch.randn(4, 3))
-        with _WeightCasts(w) as casts:
-            with region():
-                s = _Linear.apply(x, w).sum()
-            s.backward()
-        counts[region] = casts.count
-    assert counts[ours] == counts[native] == 2
+    counts = [_weight_casts(r, backward_inside=False) for r in (ours, native)]
+    assert counts == [2, 2]
 
 
 def test_a_backward_that_reenters_our_region_follows_its_policy():
