@@ -58,14 +58,20 @@ CACHE = _Cache()
 def lookup(t: torch.Tensor, dtype: torch.dtype, to):
     """The cached cast of ``t`` to ``dtype`` (made now with ``to`` if there is none or it
     is stale). The cast is made with grad mode on, as native makes it, so one cached cast
-    serves no_grad and grad mode alike."""
+    serves no_grad and grad mode alike.
+
+    The engine calls it for every weight argument of every matmul and convolution, so the
+    checks are written out here rather than in helpers (a Python call costs as much as
+    two of them)."""
     cache = CACHE
     key = (id(t), dtype)
     hit = cache.entries.get(key)
-    if (
-        hit is not None and hit[0] is t and hit[1] == t._version
-        and hit[2] == _storage_of(t) and hit[3] == cache.generation
-    ):
+    try:
+        where = t.data_ptr()
+    except RuntimeError:  # no storage of its own (torch.func's wrappers, fake tensors)
+        where = None
+    version = t._version
+    if hit is not None and hit[0] is t and hit[1] == version and hit[2] == where and hit[3] == cache.generation:
         return hit[5]
     if _grad_enabled():  # the common case: no context manager to pay for
         out = to(t) if to is not None else t.to(dtype)
@@ -75,20 +81,11 @@ def lookup(t: torch.Tensor, dtype: torch.dtype, to):
     nbytes = out.nbytes
     if hit is not None:
         cache.nbytes -= hit[4]
-    cache.entries[key] = (t, t._version, _storage_of(t), cache.generation, nbytes, out)
+    cache.entries[key] = (t, version, where, cache.generation, nbytes, out)
     cache.nbytes += nbytes
     if cache.max_bytes is not None and cache.nbytes > cache.max_bytes:
         _evict_oldest(cache, keep=key)
     return out
-
-
-def _storage_of(t: torch.Tensor):
-    """Where ``t``'s data is (None for a tensor without storage of its own: torch.func's
-    wrappers, fake tensors)."""
-    try:
-        return t.data_ptr()
-    except RuntimeError:
-        return None
 
 
 def _evict_oldest(cache: _Cache, keep) -> None:

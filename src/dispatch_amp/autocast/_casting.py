@@ -81,13 +81,20 @@ def cast_one(t: _Tensor, dtype: torch.dtype, ctx, st):
     return to(t) if to is not None else t.to(dtype)
 
 
+def holds_tensors(seq) -> bool:
+    """Whether a list argument may hold tensors. An op's schema types each list: ints,
+    floats or bools (a convolution's stride) never hold one, and ``Tensor[]``/``Tensor?[]``
+    hold only tensors and None, so the first element tells."""
+    return bool(seq) and (seq[0] is None or isinstance(seq[0], _Tensor))
+
+
 def map_tensors(args, dtype, ctx, st):
     """Casts the tensors in args, looking one level inside lists and tuples."""
     out = None
     for i, a in enumerate(args):
         if isinstance(a, _Tensor):
             b = cast_one(a, dtype, ctx, st)
-        elif isinstance(a, (list, tuple)) and a and any(isinstance(x, _Tensor) for x in a):
+        elif isinstance(a, (list, tuple)) and holds_tensors(a):
             b = type(a)(cast_one(x, dtype, ctx, st) if isinstance(x, _Tensor) else x for x in a)
         else:
             continue

@@ -24,9 +24,9 @@ import torch
 from torch._C import DispatchKey
 
 from .. import _torch_compat
-from . import _cast_cache
-from ._cast_cache import _storage_of
-from ._casting import CAST_METHODS, banned_message, cast_one, eligible, map_kwargs, map_tensors, promote_dtype
+from ._casting import (
+    CAST_METHODS, banned_message, cast_one, eligible, holds_tensors, map_kwargs, map_tensors, promote_dtype,
+)
 
 __all__ = [
     "lower", "fp32", "promote", "given", "banned", "fp32_set_opt_dtype", "fp32_append_dtype",
@@ -37,10 +37,6 @@ _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _float32 = torch.float32
 _float64 = torch.float64
-_CACHE = _cast_cache.CACHE
-_entries = _CACHE.entries  # cleared in place, never replaced
-_cache_on = torch.is_autocast_cache_enabled
-_inference_mode_on = torch.is_inference_mode_enabled
 # Excludes every autocast dispatch key for what runs inside it (ours and native's): the
 # guard native's wrappers take around the ops they call (ExcludeDispatchKeyGuard on
 # AutocastFunctionality).
@@ -63,9 +59,9 @@ def lower(ctx, st, op, keyset, args, kwargs):
     """Every eligible argument to the region's lower precision (matmuls, convolutions).
 
     The hot path of the engine (every matmul and convolution of a forward): cast_one's
-    first test is inlined (most arguments need no cast at all: already the dtype, or not
-    a tensor), and so is the cache hit of a weight cast earlier in the region, which
-    ``_cast_cache.lookup`` would find after cast_one's other tests.
+    tests are inlined for the arguments most calls have: one already in the dtype or not
+    a tensor (no cast), an activation (never cached: native caches leaves only), and a
+    list of ints (a convolution's stride, padding and dilation).
     """
     dtype = ctx.dtype
     cast = None
@@ -77,24 +73,16 @@ def lower(ctx, st, op, keyset, args, kwargs):
             a_dtype = a.dtype
             if a_dtype is dtype:
                 continue
-            if not a.is_leaf:
-                # An activation: never cached (native caches leaves only), so cast_one's
-                # cache tests are skipped; its eligibility rule is the same.
-                if a_dtype is _float64 or not a.is_floating_point() or not ctx.on_device(a):
-                    continue
+            if a.is_leaf:
+                b = cast_one(a, dtype, ctx, st)  # a leaf: a weight's cast is cached there
+            elif a_dtype is _float64 or not a.is_floating_point() or not ctx.on_device(a):
+                continue
+            else:
                 to = CAST_METHODS.get(dtype)
                 b = to(a) if to is not None else a.to(dtype)
-            else:
-                hit = _entries.get((id(a), dtype))
-                if (
-                    hit is not None and hit[0] is a and hit[1] == a._version
-                    and hit[3] == _CACHE.generation and ctx.cache_enabled and _cache_on()
-                    and not _inference_mode_on() and hit[2] == _storage_of(a)
-                ):
-                    b = hit[5]
-                else:
-                    b = cast_one(a, dtype, ctx, st)
         elif isinstance(a, (list, tuple)):
+            if not holds_tensors(a):
+                continue
             b = map_tensors((a,), dtype, ctx, st)[0]
         else:
             continue
