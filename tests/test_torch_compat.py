@@ -39,3 +39,26 @@ def test_a_missing_api_fails_the_import_and_names_it(monkeypatch):
     finally:
         monkeypatch.undo()
         importlib.reload(_torch_compat)
+
+
+def _excluded_inside(guard) -> int:
+    with guard:
+        return torch._C._dispatch_tls_local_exclude_set().raw_repr()
+
+
+@pytest.mark.parametrize("region", ["none", "ours", "native"])
+def test_autocast_keys_are_the_keys_torch_disables_autocast_with(region):
+    import dispatch_amp as amp
+
+    opened = {"none": None, "ours": amp.autocast("cpu"), "native": torch.autocast("cpu")}[region]
+    if opened is not None:
+        opened.__enter__()
+    try:
+        ours = _excluded_inside(torch._C._ExcludeDispatchKeyGuard(_torch_compat.AUTOCAST_KEYS))
+        torchs = _excluded_inside(torch._C._DisableAutocast())
+    finally:
+        if opened is not None:
+            opened.__exit__(None, None, None)
+    assert ours == torchs
+    names = repr(_torch_compat.AUTOCAST_KEYS).removeprefix("DispatchKeySet(").removesuffix(")").split(", ")
+    assert names and all(name.startswith("Autocast") for name in names), names

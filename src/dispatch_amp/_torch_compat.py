@@ -31,6 +31,7 @@ What each is for:
 from __future__ import annotations
 
 import functools
+import threading
 import types
 
 import torch
@@ -124,6 +125,45 @@ if _missing:
         f"through {NEWEST_TESTED_TORCH}; install one of those (pip install "
         f"'torch>={OLDEST_TORCH},<{_next_minor(NEWEST_TESTED_TORCH)}')."
     )
+
+
+def _autocast_keys() -> torch._C.DispatchKeySet:
+    """Every autocast dispatch key: the set ``torch._C._DisableAutocast`` excludes.
+
+    torch's Python ``DispatchKey`` names only some of them (not AutocastMTIA, AutocastXLA,
+    ...), so the set is read from torch: the keys excluded inside ``_DisableAutocast`` on
+    a thread of its own (whose excluded keys are torch's defaults, which only add to it),
+    kept to the range the autocast keys occupy (``AutocastCPU`` through
+    ``AutocastPrivateUse1``; the range carries backend bits, which the intersection drops).
+    """
+    from torch._C import DispatchKey
+
+    found = {}
+
+    def probe():
+        with torch._C._DisableAutocast():
+            found["excluded"] = torch._C._dispatch_tls_local_exclude_set()
+
+    thread = threading.Thread(target=probe, name="dispatch_amp-autocast-keys")
+    thread.start()
+    thread.join()
+    after = torch._C._dispatch_keyset_full_after
+    span = (after(DispatchKey.AutocastPrivateUse1) - after(DispatchKey.AutocastCPU)).add(
+        DispatchKey.AutocastCPU
+    ).add(DispatchKey.AutocastPrivateUse1)
+    keys = torch._C.DispatchKeySet.from_raw_repr(found["excluded"].raw_repr() & span.raw_repr())
+    named = [k for name, k in DispatchKey.__members__.items() if name.startswith("Autocast")]
+    if not all(keys.has(k) for k in named):
+        raise ImportError(
+            f"dispatch_amp could not read the autocast dispatch keys of torch {torch.__version__} "
+            f"(read {keys}); it is tested with torch {OLDEST_TORCH} through {NEWEST_TESTED_TORCH}"
+        )
+    return keys
+
+
+# Every autocast key (ours and native's): what native's wrappers exclude around the ops
+# they call, and the engine's handlers too (autocast/_handlers.py).
+AUTOCAST_KEYS = _autocast_keys()
 
 
 def autocast_registration_overloads(key: str) -> tuple[str, ...]:

@@ -18,11 +18,11 @@ import torch
 
 from .. import _torch_compat
 from ._casting import cast_one, eligible
+from ._handlers import run_without_autocast
 
 __all__ = ["cudnn_rnn"]
 
 _half = torch.float16
-_DisableAutocast = torch._C._DisableAutocast
 _flatten = torch._cudnn_rnn_flatten_weight
 
 
@@ -51,8 +51,7 @@ def cudnn_rnn(ctx, st, op, keyset, args, kwargs):
         t = values[name]
         if t is not None:
             values[name] = cast_one(t, _half, ctx, st)
-    with _DisableAutocast():
-        return op._op(*(values[name] for name in names))
+    return run_without_autocast(op, tuple(values[name] for name in names), {})
 
 
 _torch_compat.keep_out_of_dynamo(globals(), __name__)

@@ -37,10 +37,14 @@ _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _float32 = torch.float32
 _float64 = torch.float64
-# Excludes every autocast dispatch key for what runs inside it (ours and native's): the
-# guard native's wrappers take around the ops they call (ExcludeDispatchKeyGuard on
-# AutocastFunctionality).
-_DisableAutocast = torch._C._DisableAutocast
+_ExcludeKeys = torch._C._ExcludeDispatchKeyGuard
+_AUTOCAST_KEYS = _torch_compat.AUTOCAST_KEYS
+# Guards excluding every autocast key, not in use. torch's _DisableAutocast is a new
+# Python object per use, which pybind registers and unregisters in a process-wide table
+# (about 1 us per cast call inside a forward); an _ExcludeDispatchKeyGuard can be entered
+# again once exited, so these are reused: one per call in progress (calls nest, threads
+# share the list; its pop and append are atomic).
+_idle_guards: list = []
 # The keys below every autocast key. torch's keyset arithmetic counts PythonDispatcher
 # as "after" the autocast keys, which it is not: it is dropped here, or a redispatch with
 # the python dispatcher on would re-enter it.
@@ -50,9 +54,18 @@ BELOW_AUTOCAST = torch._C._dispatch_keyset_full_after(DispatchKey.AutocastCPU).r
 
 
 def run_without_autocast(op, args, kwargs):
-    """``op(*args, **kwargs)`` with every autocast key excluded inside it."""
-    with _DisableAutocast():
-        return op._op(*args, **kwargs)
+    """``op(*args, **kwargs)`` with every autocast key excluded inside it (ours and
+    native's): as native's wrappers call the op they handle, so that the ops it runs
+    inside are not cast again."""
+    try:
+        guard = _idle_guards.pop()
+    except IndexError:
+        guard = _ExcludeKeys(_AUTOCAST_KEYS)
+    try:
+        with guard:
+            return op._op(*args, **kwargs)
+    finally:
+        _idle_guards.append(guard)
 
 
 def lower(ctx, st, op, keyset, args, kwargs):
@@ -92,25 +105,20 @@ def lower(ctx, st, op, keyset, args, kwargs):
             cast[i] = b
     if kwargs:
         kwargs = map_kwargs(kwargs, dtype, ctx, st)
-    with _DisableAutocast():
-        return op._op(*(args if cast is None else cast), **kwargs)
+    return run_without_autocast(op, args if cast is None else cast, kwargs)
 
 
 def fp32(ctx, st, op, keyset, args, kwargs):
     """Every eligible argument to float32 (ops that need range or precision)."""
     args = map_tensors(args, _float32, ctx, st)
-    kwargs = map_kwargs(kwargs, _float32, ctx, st)
-    with _DisableAutocast():
-        return op._op(*args, **kwargs)
+    return run_without_autocast(op, args, map_kwargs(kwargs, _float32, ctx, st))
 
 
 def promote(ctx, st, op, keyset, args, kwargs):
     """Every eligible argument to the widest floating dtype among them and the region's."""
     dtype = promote_dtype(ctx.dtype, ctx.device_type, args, kwargs)
     args = map_tensors(args, dtype, ctx, st)
-    kwargs = map_kwargs(kwargs, dtype, ctx, st)
-    with _DisableAutocast():
-        return op._op(*args, **kwargs)
+    return run_without_autocast(op, args, map_kwargs(kwargs, dtype, ctx, st))
 
 
 def given(ctx, st, op, keyset, args, kwargs):
@@ -140,8 +148,7 @@ def fp32_set_opt_dtype(position: int | None):
                 args = (*args[:position], _float32, *args[position + 1:])
             else:
                 kwargs = {**kwargs, "dtype": _float32}
-        with _DisableAutocast():
-            return op._op(*args, **kwargs)
+        return run_without_autocast(op, args, kwargs)
 
     return handler
 
@@ -157,8 +164,7 @@ def fp32_append_dtype(with_dtype, names: tuple[str, ...], defaults: tuple):
         full = list(args) + [kwargs.get(name, default) for name, default in zip(names[len(args):], defaults[len(args):])]
         first = args[0]
         dtype = _float32 if eligible(first, ctx.device_type) else first.dtype
-        with _DisableAutocast():
-            return with_dtype._op(*full, dtype=dtype)
+        return run_without_autocast(with_dtype, full, {"dtype": dtype})
 
     return handler
 
