@@ -22,6 +22,10 @@ What each is for:
 - ``_top_saved_tensors_default_hooks`` and ``torch.utils.checkpoint.CheckpointFunction``:
   telling whether torch's checkpoint is running, to refuse it under a custom policy;
 - ``Tensor._is_view``: native's weight-cast cache skips views, and so does ours;
+- ``_set_grad_enabled``: a weight's cast is made with grad mode on, as native makes it,
+  without ``torch.enable_grad``'s context-manager object (``autocast/_cast_cache.py``);
+- ``_DisableAutocast`` and ``_ExcludeDispatchKeyGuard``: the set of every autocast key
+  (``AUTOCAST_KEYS``), excluded around the ops the engine's handlers call;
 - ``_dispatch_get_registrations_for_dispatch_key``: the ops native autocast handles in
   the installed torch, which the built-in policies follow (``_builtin_table`` in
   ``autocast/policy.py``) and which get a kernel of ours under a policy of our own
@@ -65,6 +69,7 @@ reentrant_checkpoint_function = _lookup(
     torch.utils.checkpoint, "torch.utils.checkpoint", "CheckpointFunction"
 )
 tensor_is_view = _lookup(torch.Tensor, "torch.Tensor", "_is_view")
+set_grad_enabled = _lookup(torch._C, "torch._C", "_set_grad_enabled")
 dispatch_key_excluded = _lookup(torch._C, "torch._C", "_dispatch_tls_is_dispatch_key_excluded")
 dispatch_key_included = _lookup(torch._C, "torch._C", "_dispatch_tls_is_dispatch_key_included")
 set_dispatch_key_included = _lookup(torch._C, "torch._C", "_dispatch_tls_set_dispatch_key_included")

@@ -174,3 +174,19 @@ def test_kept_casts_always_equal_fresh_ones(steps):
             else:
                 with torch.no_grad():
                     model.weight.add_(1)
+
+
+def test_a_cast_made_under_no_grad_records_grad_and_leaves_no_grad_on():
+    w = nn.Parameter(torch.randn(3, 3))
+    with torch.no_grad():
+        out = _cast_cache.lookup(w, torch.bfloat16, torch.Tensor.bfloat16)
+        assert not torch.is_grad_enabled()
+        assert out.requires_grad and out.grad_fn is not None  # made with grad mode on, as native makes it
+
+        def failing(t):
+            raise RuntimeError("out of memory")
+
+        with pytest.raises(RuntimeError, match="out of memory"):
+            _cast_cache.lookup(nn.Parameter(torch.randn(2)), torch.bfloat16, failing)
+        assert not torch.is_grad_enabled()
+    _cast_cache.clear()
