@@ -13,9 +13,11 @@ where neither exists (Windows) it is NaN.
 
 Example::
 
+    >>> import gc
+    >>> _ = gc.collect()                  # garbage freed now would lower RSS in the middle
     >>> reset = reset_peak_rss()          # True on Linux
     >>> before = peak_rss_mb()            # right after a reset: the current RSS
-    >>> _ = b"x" * (64 * 2**20)          # 64 MiB, written
+    >>> block = b"x" * (64 * 2**20)      # 64 MiB, written
     >>> peak_rss_mb() - before >= 63 or not reset
     True
 """
