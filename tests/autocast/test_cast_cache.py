@@ -190,3 +190,18 @@ def test_a_cast_made_under_no_grad_records_grad_and_leaves_no_grad_on():
             _cast_cache.lookup(nn.Parameter(torch.randn(2)), torch.bfloat16, failing)
         assert not torch.is_grad_enabled()
     _cast_cache.clear()
+
+
+@pytest.mark.parametrize("region", [amp.autocast, torch.autocast])
+def test_a_weight_frozen_after_its_cast_is_cast_again_as_native_casts_it(region):
+    # Native caches a cast only while the weight requires grad: frozen in the middle of a
+    # region (requires_grad_(False) leaves its version alone), it is cast afresh and the
+    # output records no grad.
+    x = torch.randn(2, 4)
+    w = nn.Parameter(torch.randn(3, 4))
+    with region("cpu", dtype=torch.bfloat16):
+        first = torch.nn.functional.linear(x, w)
+        w.requires_grad_(False)
+        second = torch.nn.functional.linear(x, w)
+    assert first.requires_grad and not second.requires_grad
+    torch.testing.assert_close(first.detach(), second, rtol=0, atol=0)

@@ -24,6 +24,7 @@ import torch
 from torch._C import DispatchKey
 
 from .. import _torch_compat
+from . import _cast_cache
 from ._casting import (
     CAST_METHODS, banned_message, cast_one, eligible, holds_tensors, map_kwargs, map_tensors, promote_dtype,
 )
@@ -37,6 +38,10 @@ _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _float32 = torch.float32
 _float64 = torch.float64
+_CACHE = _cast_cache.CACHE
+_entries = _CACHE.entries  # cleared in place, never replaced
+_cache_on = torch.is_autocast_cache_enabled
+_inference_mode_on = torch.is_inference_mode_enabled
 _ExcludeKeys = torch._C._ExcludeDispatchKeyGuard
 _AUTOCAST_KEYS = _torch_compat.AUTOCAST_KEYS
 # Guards excluding every autocast key, not in use. torch's _DisableAutocast is a new
@@ -73,8 +78,9 @@ def lower(ctx, st, op, keyset, args, kwargs):
 
     The hot path of the engine (every matmul and convolution of a forward): cast_one's
     tests are inlined for the arguments most calls have: one already in the dtype or not
-    a tensor (no cast), an activation (never cached: native caches leaves only), and a
-    list of ints (a convolution's stride, padding and dilation).
+    a tensor (no cast), an activation (never cached: native caches leaves only), a weight
+    whose cast is cached, and a list of ints (a convolution's stride, padding and
+    dilation).
     """
     dtype = ctx.dtype
     cast = None
@@ -87,7 +93,21 @@ def lower(ctx, st, op, keyset, args, kwargs):
             if a_dtype is dtype:
                 continue
             if a.is_leaf:
-                b = cast_one(a, dtype, ctx, st)  # a leaf: a weight's cast is cached there
+                # A weight's cast made earlier in the region (or kept by cast_cache):
+                # _cast_cache.lookup's test, inlined (an eval loop under cast_cache is
+                # mostly these); anything else goes through cast_one's rules.
+                hit = _entries.get((id(a), dtype))
+                if hit is not None and hit[0] is a and hit[1] == a._version and a.requires_grad:
+                    try:
+                        where = a.data_ptr()
+                    except RuntimeError:
+                        where = None
+                    if hit[2] == where and hit[3] == _CACHE.generation and _cache_on() and not _inference_mode_on():
+                        b = hit[5]
+                    else:
+                        b = cast_one(a, dtype, ctx, st)
+                else:
+                    b = cast_one(a, dtype, ctx, st)
             elif a_dtype is _float64 or not a.is_floating_point() or not ctx.on_device(a):
                 continue
             else:
