@@ -188,10 +188,10 @@ def _native_casts(ctx, st, op, keyset, args, kwargs):
 
 def _bare_casts(ctx, st, op, keyset, args, kwargs):
     """Every float32 tensor argument cast in Python, without native's rules or the weight
-    cache: the floor of casting from Python."""
+    cache: the floor of casting from Python. The op is called as ours calls it, so the
+    variant differs from ours in the casting alone."""
     args = [a.bfloat16() if isinstance(a, torch.Tensor) and a.dtype is torch.float32 else a for a in args]
-    with torch._C._DisableAutocast():
-        return op._op(*args, **kwargs)
+    return _handlers.run_without_autocast(op, args, kwargs)
 
 
 @contextlib.contextmanager
