@@ -68,3 +68,31 @@ def triton_interpreter_available() -> bool:
     from dispatch_amp.kernels import unscale
 
     return unscale.triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+class AtenCalls(TorchDispatchMode):
+    """Every aten call below the autocast keys (casts included), as (op, the dtype and
+    shape of each tensor argument), in order: what ours and native must agree on call for
+    call."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        self.calls.append((str(func), tuple((t.dtype, tuple(t.shape)) for t in leaves if isinstance(t, torch.Tensor))))
+        return func(*args, **kwargs)
+
+
+@pytest.fixture
+def aten_calls():
+    """``aten_calls(fn)``: the aten calls ``fn()`` makes (``AtenCalls``), in order."""
+
+    def record(fn):
+        with AtenCalls() as rec:
+            fn()
+        return rec.calls
+
+    return record

@@ -62,3 +62,30 @@ def test_autocast_keys_are_the_keys_torch_disables_autocast_with(region):
     assert ours == torchs
     names = repr(_torch_compat.AUTOCAST_KEYS).removeprefix("DispatchKeySet(").removesuffix(")").split(", ")
     assert names and all(name.startswith("Autocast") for name in names), names
+
+
+def test_the_cast_order_read_at_import_is_natives_for_three_arguments():
+    # Read at import from mm's two arguments; checked here on addmm's three, on this thread.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    shapes = []
+
+    class Casts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default:
+                shapes.append(tuple(args[0].shape))
+            return func(*args, **(kwargs or {}))
+
+    with Casts(), torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.addmm(torch.ones(5), torch.ones(2, 3), torch.ones(3, 5))
+    left_to_right = [(5,), (2, 3), (3, 5)]
+    assert shapes == (left_to_right[::-1] if _torch_compat.CASTS_LAST_ARGUMENT_FIRST else left_to_right)
+
+
+def test_reading_the_cast_order_leaves_this_threads_state_alone():
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    before = (torch.is_autocast_enabled("cpu"), torch._C._dispatch_tls_local_exclude_set().raw_repr())
+    assert _torch_compat._casts_last_argument_first() is _torch_compat.CASTS_LAST_ARGUMENT_FIRST
+    assert _get_current_dispatch_mode() is None
+    assert (torch.is_autocast_enabled("cpu"), torch._C._dispatch_tls_local_exclude_set().raw_repr()) == before

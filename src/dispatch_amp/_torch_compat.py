@@ -26,6 +26,8 @@ What each is for:
   without ``torch.enable_grad``'s context-manager object (``autocast/_cast_cache.py``);
 - ``_DisableAutocast`` and ``_ExcludeDispatchKeyGuard``: the set of every autocast key
   (``AUTOCAST_KEYS``), excluded around the ops the engine's handlers call;
+- not an API but a behaviour: the order in which native casts an op's arguments, which
+  its compiler chose (``CASTS_LAST_ARGUMENT_FIRST``), read from torch at import;
 - ``_dispatch_get_registrations_for_dispatch_key``: the ops native autocast handles in
   the installed torch, which the built-in policies follow (``_builtin_table`` in
   ``autocast/policy.py``) and which get a kernel of ours under a policy of our own
@@ -169,6 +171,49 @@ def _autocast_keys() -> torch._C.DispatchKeySet:
 # Every autocast key (ours and native's): what native's wrappers exclude around the ops
 # they call, and the engine's handlers too (autocast/_handlers.py).
 AUTOCAST_KEYS = _autocast_keys()
+
+
+def _casts_last_argument_first() -> bool:
+    """Whether native autocast casts an op's last argument first.
+
+    Native's wrappers cast every argument inside one C++ call expression
+    (``redispatch(cached_cast(args)...)``), whose evaluation order the compiler picks:
+    GCC builds (torch's Linux wheels) cast the last argument first, Clang builds the
+    first. The order shows in the aten calls a ``TorchDispatchMode`` sees and in the
+    graphs torch.compile captures, whose cache keys (inductor's FX graph cache,
+    AOTAutograd's) differ when it does, so the engine casts in the order this torch
+    does. Read from torch: ``mm`` under CPU autocast, on a thread of its own (the mode
+    and the region touch only that thread's state).
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: list = []
+
+    class _Casts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default:
+                seen.append(tuple(args[0].shape))
+            return func(*args, **(kwargs or {}))
+
+    def probe():
+        with _Casts(), torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.mm(torch.ones(2, 3), torch.ones(3, 4))
+
+    thread = threading.Thread(target=probe, name="dispatch_amp-cast-order")
+    thread.start()
+    thread.join()
+    if sorted(seen) != [(2, 3), (3, 4)]:
+        raise ImportError(
+            f"dispatch_amp could not read the order in which torch {torch.__version__}'s "
+            f"autocast casts an op's arguments (mm under CPU autocast cast {seen}); it is "
+            f"tested with torch {OLDEST_TORCH} through {NEWEST_TESTED_TORCH}"
+        )
+    return seen[0] == (3, 4)
+
+
+# Native casts an op's arguments last to first (GCC builds) or first to last (Clang
+# builds): the engine's handlers follow it (autocast/_casting.py, autocast/_handlers.py).
+CASTS_LAST_ARGUMENT_FIRST = _casts_last_argument_first()
 
 
 def autocast_registration_overloads(key: str) -> tuple[str, ...]:

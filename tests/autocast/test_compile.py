@@ -391,3 +391,57 @@ def test_aotautograds_cache_is_off_while_compiling_under_a_policy_of_our_own_eve
             torch.compile(lin, backend=backend)(x)
     assert seen == [False, before]
     assert torch._functorch.config.enable_autograd_cache == before
+
+
+def _aten_graphs(region, mha=True):
+    """The forward and backward aten graphs (their code) AOTAutograd traces for Block's
+    training step under ``region``."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    codes = []
+
+    def keep(gm, example_inputs):
+        codes.append(gm.code)
+        return gm
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Block(mha=mha)
+    x, y = torch.randn(6, 16), torch.randint(0, 5, (6,))
+    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True)
+    with region("cpu"):
+        _, loss = compiled(x, y)
+    loss.backward()
+    return codes
+
+
+def test_the_traced_graphs_are_natives_line_for_line():
+    # Our casts are made in native's order (_casting.arg_order), so AOTAutograd traces the
+    # graphs native's kernels give, node for node: inductor then compiles the same code,
+    # and its cache serves ours what it compiled for native (next test).
+    native = _aten_graphs(torch.autocast)
+    ours = _aten_graphs(amp.autocast)
+    assert len(native) == len(ours) == 2  # forward, backward
+    assert ours == native
+
+
+def test_inductors_cache_serves_ours_the_graphs_it_compiled_for_native():
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import fresh_inductor_cache
+
+    counters = torch._dynamo.utils.counters
+    with fresh_inductor_cache(), inductor_config.patch(fx_graph_cache=True, force_disable_caches=False):
+        for region in (torch.autocast, amp.autocast):
+            torch._dynamo.reset()
+            counters.clear()
+            torch.manual_seed(0)
+            model = Block()
+            x, y = torch.randn(6, 16), torch.randint(0, 5, (6,))
+            compiled = torch.compile(model, backend="inductor", fullgraph=True)
+            with region("cpu"):
+                _, loss = compiled(x, y)
+            loss.backward()
+            if region is torch.autocast:
+                assert counters["inductor"]["fxgraph_cache_miss"] == 2  # compiled: forward, backward
+    assert counters["inductor"]["fxgraph_cache_hit"] == 2
+    assert counters["inductor"]["fxgraph_cache_miss"] == 0

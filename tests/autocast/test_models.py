@@ -537,6 +537,22 @@ def test_matches_native(name):
         check_pair(make)
 
 
+@pytest.mark.parametrize("name", sorted(n for n in ALL_CASES if n not in NOT_BIT_EXACT))
+def test_forward_and_backward_make_natives_calls_in_order(name, aten_calls):
+    # Call for call what native makes, the casts in native's argument order: what a
+    # dispatch mode sees, and the graph torch.compile captures (test_compile.py).
+    module, step = ALL_CASES[name]()
+    seen = {}
+    for who, region in (("native", native), ("ours", ours)):
+        seen[who] = aten_calls(lambda: run(copy.deepcopy(module), step, region()))
+    ours_calls, native_calls = seen["ours"], seen["native"]
+    first = next((i for i, (a, b) in enumerate(zip(ours_calls, native_calls)) if a != b), None)
+    assert ours_calls == native_calls, (
+        f"call {first}: ours {ours_calls[first] if first is not None else None}, "
+        f"native {native_calls[first] if first is not None else None}; "
+        f"{len(ours_calls)} calls against {len(native_calls)}")
+
+
 # Mixed-precision inputs to ops that the CUDA table promotes (native CPU autocast raises
 # on these, so they have no CPU reference and run under the CUDA policy only).
 CUDA_POLICY_ONLY_CASES = {

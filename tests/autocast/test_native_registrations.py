@@ -721,6 +721,21 @@ def test_cpu_registration_matches_native(name, grad):
     _assert_same(ours, native, name, exact=name not in NONDETERMINISTIC)
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["nograd", "grad"])
+@pytest.mark.parametrize("name", [n for n in CPU_REACHABLE if not _named(n)])
+def test_cpu_registration_makes_natives_calls_in_natives_order(name, grad, aten_calls):
+    # The casts (in native's argument order, _casting.arg_order) and the op, call for
+    # call: what a dispatch mode sees, and what torch.compile captures.
+    fn, args, kwargs = _make(name, torch.bfloat16, grad)
+    seen = {}
+    for who, region in (("native", torch.autocast), ("ours", dispatch_amp.autocast)):
+        def call(region=region):
+            with region("cpu", dtype=torch.bfloat16):
+                _run(fn, args, kwargs)
+        seen[who] = aten_calls(call)
+    assert seen["ours"] == seen["native"]
+
+
 # -- (b) AutocastCUDA/XPU/MPS: the device's policy on CPU tensors gives native's dtype ----
 GPU_REACHABLE = [
     pytest.param(device, name, id=f"{device}-{name}")

@@ -5,6 +5,13 @@ casts of float32 leaves that require grad (weights) are cached, as native caches
 (``cast_one``); promote looks inside list arguments. The handlers of ``_handlers.py`` (and
 the cuDNN RNN handler) apply these per cast kind.
 
+Arguments are cast in native's order (``arg_order``): native casts them all inside one
+C++ call expression, whose evaluation order its compiler chose (last argument first in
+GCC builds, torch's Linux wheels), and a list argument's elements first to last. The
+order is not numerics (each cast is the same either way) but it is what a dispatch mode
+sees and what torch.compile captures: the same order gives the same graphs as native's,
+so compiled code and its caches are shared with native's.
+
 Functions here take the region's context and thread state as plain objects (duck typed):
 ``ctx.dtype`` and ``ctx.on_device``; the cache itself is ``_cast_cache.py``.
 """
@@ -23,6 +30,23 @@ _float64 = torch.float64
 _inference_mode_on = torch.is_inference_mode_enabled
 _cache_on = torch.is_autocast_cache_enabled
 _is_view = _torch_compat.tensor_is_view
+_LAST_FIRST = _torch_compat.CASTS_LAST_ARGUMENT_FIRST
+# arg_order(n) for the argument counts ops have, looked up by the handlers' hot path.
+ORDERS = tuple(
+    tuple(range(n - 1, -1, -1)) if _LAST_FIRST else tuple(range(n)) for n in range(64)
+)
+
+
+def arg_order(n: int) -> tuple[int, ...]:
+    """The positions of ``n`` positional arguments in the order native casts them.
+
+    Keyword arguments (an op's keyword-only ones, after every positional one in its
+    schema) come before the positional ones when native casts the last argument first
+    (``cast_arguments``).
+    """
+    if n < 64:
+        return ORDERS[n]
+    return tuple(range(n - 1, -1, -1)) if _LAST_FIRST else tuple(range(n))
 
 
 def first_tensor(args, kwargs):
@@ -89,9 +113,12 @@ def holds_tensors(seq) -> bool:
 
 
 def map_tensors(args, dtype, ctx, st):
-    """Casts the tensors in args, looking one level inside lists and tuples."""
+    """Casts the tensors in args, looking one level inside lists and tuples, in native's
+    order (``arg_order``)."""
     out = None
-    for i, a in enumerate(args):
+    n = len(args)
+    for i in ORDERS[n] if n < 64 else arg_order(n):
+        a = args[i]
         if isinstance(a, _Tensor):
             b = cast_one(a, dtype, ctx, st)
         elif isinstance(a, (list, tuple)) and holds_tensors(a):
@@ -114,6 +141,19 @@ def map_kwargs(kwargs, dtype, ctx, st):
     return kwargs if new_values is values else dict(zip(kwargs.keys(), new_values))
 
 
+def cast_arguments(args, kwargs, dtype, ctx, st):
+    """``(args, kwargs)`` with their tensors cast (``map_tensors``), in native's order:
+    an op's keyword-only arguments follow its positional ones in its schema, so they are
+    cast first where native casts the last argument first."""
+    if not kwargs:
+        return map_tensors(args, dtype, ctx, st), kwargs
+    if _LAST_FIRST:
+        kwargs = map_kwargs(kwargs, dtype, ctx, st)
+        return map_tensors(args, dtype, ctx, st), kwargs
+    args = map_tensors(args, dtype, ctx, st)
+    return args, map_kwargs(kwargs, dtype, ctx, st)
+
+
 def iter_tensors(args, kwargs):
     """The tensors among the arguments, looking one level inside lists and tuples."""
     for group in (args, kwargs.values()) if kwargs else (args,):
@@ -126,17 +166,25 @@ def iter_tensors(args, kwargs):
                         yield b
 
 
-def promote_dtype(low: torch.dtype, device_type: str, args, kwargs) -> torch.dtype:
-    """Widest floating dtype among ``low`` and the inputs on ``device_type``; float64 is
-    left out."""
+def promote_dtype(low: torch.dtype, device_type: str, args, kwargs, op_name: str = "this op") -> torch.dtype:
+    """Native's promote rule (``prioritize`` in ATen's autocast): float32 if any eligible
+    input is float32, else ``low``; float64 inputs are left out. An eligible input of
+    another floating dtype (float16 in a bfloat16 region, a float8 tensor) raises, as
+    native does. No aten call: the dtypes are compared in Python."""
     widest = low
     for t in iter_tensors(args, kwargs):
         d = t.dtype
-        if d is widest or d is _float64 or not t.is_floating_point():
+        if d is widest or d is _float64 or not t.is_floating_point() or t.device.type != device_type:
             continue
-        if t.device.type != device_type:
-            continue
-        widest = torch.promote_types(widest, d)
+        if d is _float32 or widest is _float32:
+            widest = _float32
+        else:
+            raise RuntimeError(
+                f"{op_name} under autocast: its inputs mix {low} and {d}; autocast promotes "
+                f"among the region's dtype ({low}) and float32 only (native autocast raises "
+                f"here too, 'Unexpected floating ScalarType'). Cast the {d} input to {low} "
+                f"or float32 before the call."
+            )
     return widest
 
 

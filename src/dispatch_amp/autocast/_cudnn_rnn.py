@@ -24,6 +24,9 @@ __all__ = ["cudnn_rnn"]
 
 _half = torch.float16
 _flatten = torch._cudnn_rnn_flatten_weight
+# Native casts these three inside its call of the op, in its argument order
+# (``_casting.arg_order``), after the weights.
+_STATE_ORDER = ("cx", "hx", "input") if _torch_compat.CASTS_LAST_ARGUMENT_FIRST else ("input", "hx", "cx")
 
 
 def cudnn_rnn(ctx, st, op, keyset, args, kwargs):
@@ -47,7 +50,7 @@ def cudnn_rnn(ctx, st, op, keyset, args, kwargs):
                 values["batch_first"], values["bidirectional"],
             )
         values["weight"], values["weight_buf"] = cast, weight_buf
-    for name in ("input", "hx", "cx"):
+    for name in _STATE_ORDER:
         t = values[name]
         if t is not None:
             values[name] = cast_one(t, _half, ctx, st)

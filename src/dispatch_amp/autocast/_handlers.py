@@ -7,11 +7,11 @@ aten overload, the dispatch keys of the call, and the call's arguments as the di
 hands them to Python (trailing defaults left out, keyword-only arguments as keywords).
 
 Each follows the wrapper native autocast registers for that kind (ATen's
-``autocast_mode.h``): cast the eligible arguments, then call the op again with every
-autocast key excluded, so the ops it runs inside are not cast again, as native excludes
-its key inside the ops it handles. Ops a policy does not cast run as given: redispatched
-past the autocast keys for this call only, so the ops they run inside still reach our
-kernels (what a fallthrough would do).
+``autocast_mode.h``): cast the eligible arguments, in native's order (``_casting.py``),
+then call the op again with every autocast key excluded, so the ops it runs inside are
+not cast again, as native excludes its key inside the ops it handles. Ops a policy does
+not cast run as given: redispatched past the autocast keys for this call only, so the
+ops they run inside still reach our kernels (what a fallthrough would do).
 
 Handlers are made per (policy, device type, op) by ``_routing.py``; the values they need
 from the op's schema (where its ``dtype`` argument is, the overload that takes one) are
@@ -26,7 +26,8 @@ from torch._C import DispatchKey
 from .. import _torch_compat
 from . import _cast_cache
 from ._casting import (
-    CAST_METHODS, banned_message, cast_one, eligible, holds_tensors, map_kwargs, map_tensors, promote_dtype,
+    CAST_METHODS, ORDERS, arg_order, banned_message, cast_arguments, cast_one, eligible, holds_tensors,
+    map_kwargs, map_tensors, promote_dtype,
 )
 
 __all__ = [
@@ -44,6 +45,7 @@ _cache_on = torch.is_autocast_cache_enabled
 _inference_mode_on = torch.is_inference_mode_enabled
 _ExcludeKeys = torch._C._ExcludeDispatchKeyGuard
 _AUTOCAST_KEYS = _torch_compat.AUTOCAST_KEYS
+_LAST_FIRST = _torch_compat.CASTS_LAST_ARGUMENT_FIRST
 # Guards excluding every autocast key, not in use. torch's _DisableAutocast is a new
 # Python object per use, which pybind registers and unregisters in a process-wide table
 # (about 1 us per cast call inside a forward); an _ExcludeDispatchKeyGuard can be entered
@@ -83,10 +85,12 @@ def lower(ctx, st, op, keyset, args, kwargs):
     dilation).
     """
     dtype = ctx.dtype
+    if kwargs and _LAST_FIRST:  # keyword-only arguments come last in the schema
+        kwargs = map_kwargs(kwargs, dtype, ctx, st)
     cast = None
-    i = -1
-    for a in args:
-        i += 1
+    n = len(args)
+    for i in ORDERS[n] if n < 64 else arg_order(n):  # native's order (_casting.arg_order)
+        a = args[i]
         cls = a.__class__
         if cls is _Tensor or cls is _Parameter or isinstance(a, _Tensor):
             a_dtype = a.dtype
@@ -123,22 +127,22 @@ def lower(ctx, st, op, keyset, args, kwargs):
             if cast is None:
                 cast = list(args)
             cast[i] = b
-    if kwargs:
+    if kwargs and not _LAST_FIRST:
         kwargs = map_kwargs(kwargs, dtype, ctx, st)
     return run_without_autocast(op, args if cast is None else cast, kwargs)
 
 
 def fp32(ctx, st, op, keyset, args, kwargs):
     """Every eligible argument to float32 (ops that need range or precision)."""
-    args = map_tensors(args, _float32, ctx, st)
-    return run_without_autocast(op, args, map_kwargs(kwargs, _float32, ctx, st))
+    args, kwargs = cast_arguments(args, kwargs, _float32, ctx, st)
+    return run_without_autocast(op, args, kwargs)
 
 
 def promote(ctx, st, op, keyset, args, kwargs):
     """Every eligible argument to the widest floating dtype among them and the region's."""
-    dtype = promote_dtype(ctx.dtype, ctx.device_type, args, kwargs)
-    args = map_tensors(args, dtype, ctx, st)
-    return run_without_autocast(op, args, map_kwargs(kwargs, dtype, ctx, st))
+    dtype = promote_dtype(ctx.dtype, ctx.device_type, args, kwargs, op._schema.name)
+    args, kwargs = cast_arguments(args, kwargs, dtype, ctx, st)
+    return run_without_autocast(op, args, kwargs)
 
 
 def given(ctx, st, op, keyset, args, kwargs):
