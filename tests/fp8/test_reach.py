@@ -561,6 +561,10 @@ TRANSPOSES = {
     "T": lambda x, w: x @ w.T, "t": lambda x, w: x @ w.t(), "transpose": lambda x, w: x @ w.transpose(0, 1),
     "mT": lambda x, w: x @ w.mT, "torch.t": lambda x, w: torch.matmul(x, torch.t(w)),
     "permute": lambda x, w: torch.mm(x, w.permute(1, 0)), "swapaxes": lambda x, w: x @ w.swapaxes(0, 1),
+    # Each property reaches the fp8 level under its own name from torch 2.14 on (numpy_T,
+    # mT, matrix_H, mH), as a getter before: every spelling on every release.
+    "H": lambda x, w: x @ w.H, "mH": lambda x, w: x @ w.mH, "adjoint": lambda x, w: x @ w.adjoint(),
+    "swapdims": lambda x, w: x @ w.swapdims(0, 1),
 }
 
 

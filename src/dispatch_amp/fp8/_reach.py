@@ -107,7 +107,7 @@ def _transposed_parameter(t) -> _Parameter | None:
 def mark_transpose(func, args, kwargs):
     """``func(*args, **kwargs)``, marked as the transpose of its first argument when that is
     a 2-D parameter and ``func`` (``t``, ``transpose``, ``permute``, ``swapaxes``,
-    ``swapdims``, the ``T``/``mT``/``H``/``mH`` getters) transposed it: what
+    ``swapdims``, ``adjoint``, the ``T``/``mT``/``H``/``mH`` properties) transposed it: what
     ``linear_shaped`` reads while Dynamo traces. Example::
 
         out = mark_transpose(torch.Tensor.t, (weight,), {})
@@ -118,9 +118,15 @@ def mark_transpose(func, args, kwargs):
     return out
 
 
-# The names of the torch functions that may transpose a parameter (property getters are
-# all called ``__get__``: the shape and strides tell a transpose apart).
-TRANSPOSES = frozenset({"t", "transpose", "permute", "swapaxes", "swapdims", "__get__"})
+# The names of the torch functions that may transpose a parameter; mark_transpose checks
+# the shape and strides, so a name here never marks anything else. Up to torch 2.13 the
+# fp8 level sees the ``T``/``mT``/``H``/``mH`` properties as getters named ``__get__``;
+# from 2.14 on, Dynamo hands it the aten ops they are (``numpy_T``, ``mT``, ``matrix_H``,
+# ``mH``); ``adjoint`` is a method on every release.
+TRANSPOSES = frozenset({
+    "t", "transpose", "permute", "swapaxes", "swapdims", "adjoint", "__get__",
+    "numpy_T", "mT", "matrix_H", "mH",
+})
 
 
 def linear_shaped(op_name: str, args, kwargs):
