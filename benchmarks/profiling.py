@@ -23,7 +23,10 @@ other aten op), by self time.
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import tempfile
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -86,8 +89,8 @@ def _activities(device: torch.device) -> list:
     return acts
 
 
-def _run(step, device: torch.device, steps: int, with_stack: bool) -> tuple[list, list]:
-    """(events inside the steps' windows, the windows as (start, end) us)."""
+def _profiled(step, device: torch.device, steps: int, with_stack: bool) -> profile:
+    """The profiler after ``steps`` calls of ``step``, each in a ``STEP_RANGE`` window."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     with profile(activities=_activities(device), with_stack=with_stack) as prof:
@@ -96,7 +99,12 @@ def _run(step, device: torch.device, steps: int, with_stack: bool) -> tuple[list
                 sync()  # nothing pending: the window starts with an idle device
                 step()
                 sync()
-    events = prof.events()
+    return prof
+
+
+def _run(step, device: torch.device, steps: int) -> tuple[list, list]:
+    """(events inside the steps' windows, the windows as (start, end) us)."""
+    events = _profiled(step, device, steps, with_stack=False).events()
     windows = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == STEP_RANGE)
     inside = [e for e in events if e.name != STEP_RANGE
               and any(a <= e.time_range.start < b for a, b in windows)]
@@ -143,7 +151,7 @@ def profile_step(step, device: torch.device, steps: int = 3, python: bool = True
         prof.summary_row()["busy_pct"]
     """
     out = StepProfile(device=device.type, steps=steps)
-    events, windows = _run(step, device, steps, with_stack=False)
+    events, windows = _run(step, device, steps)
     out.wall_us = sum(b - a for a, b in windows)
     busy = []
     for e in events:
@@ -168,12 +176,54 @@ def profile_step(step, device: torch.device, steps: int = 3, python: bool = True
         out.busy_us = _union_us(busy)
     if not python:
         return out
-    for e in _run(step, device, steps, with_stack=True)[0]:
-        if getattr(e, "is_python_function", False) or ".py(" in e.name:
-            tally = out.python[python_name(e.name)]
-            tally[0] += 1
-            tally[1] += e.self_cpu_time_total
+    for name, self_us in _python_calls(step, device, steps):
+        tally = out.python[python_name(name)]
+        tally[0] += 1
+        tally[1] += self_us
     return out
+
+
+def _python_calls(step, device: torch.device, steps: int) -> list[tuple[str, float]]:
+    """(name, self us) of each Python function call inside the steps' windows, from a run
+    with Python stacks.
+
+    Read from the trace the profiler exports: torch 2.13 and later also list Python calls
+    among ``prof.events()``, torch 2.11 and 2.12 only in the trace. Self time is the
+    call's duration less that of the events directly inside it on its thread (aten ops
+    and Python calls alike), as torch computes an event's self time.
+    """
+    prof = _profiled(step, device, steps, with_stack=True)
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    host = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e
+            and e.get("cat") in _HOST_CATEGORIES]
+    windows = sorted((e["ts"], e["ts"] + e["dur"]) for e in host if e["name"] == STEP_RANGE)
+    by_thread = defaultdict(list)
+    for e in host:
+        by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    calls = []
+    for events in by_thread.values():
+        events.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list[list] = []  # [event, end, duration of its direct children]
+        done = []
+        for e in events:
+            while stack and stack[-1][1] <= e["ts"]:
+                done.append(stack.pop())
+            if stack:
+                stack[-1][2] += e["dur"]
+            stack.append([e, e["ts"] + e["dur"], 0.0])
+        done.extend(stack)
+        for e, _, children in done:
+            if e.get("cat") == "python_function" and any(a <= e["ts"] < b for a, b in windows):
+                calls.append((e["name"], max(e["dur"] - children, 0.0)))
+    return calls
+
+
+# The trace's host-side categories: aten ops, Python calls, record_function ranges.
+_HOST_CATEGORIES = {"cpu_op", "python_function", "user_annotation"}
 
 
 def host_diff(ours: StepProfile, native: StepProfile, kind: str) -> list[dict]:
