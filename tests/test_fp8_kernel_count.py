@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from dispatch_amp import _torch_compat
 from dispatch_amp.kernels import fp8_cast
 
 
@@ -44,7 +45,14 @@ def test_per_tensor_recipes_are_within_the_target_at_full_size(counter, recipe):
 
 @pytest.mark.skipif(fp8_cast.triton is None or (not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"),
                     reason="needs triton, and TRITON_INTERPRET=1 without a GPU")
-@pytest.mark.parametrize("recipe", sorted(["current", "delayed", "delayed (first call)", "rowwise"]))
+@pytest.mark.parametrize("recipe", [
+    "current", "delayed", "delayed (first call)",
+    # torch 2.11's CPU _scaled_mm takes per-tensor scales only: there rowwise's gemms run by
+    # their rule on CPU (docs/torch-releases.md), not the sequence the CUDA path records.
+    pytest.param("rowwise", marks=pytest.mark.skipif(
+        not _torch_compat.SCALED_MM_ROWWISE_ON_CPU,
+        reason="this torch's CPU _scaled_mm has no row-wise scales: rowwise runs its gemms by rule on CPU")),
+])
 def test_the_recorded_sequence_is_the_one_that_runs(counter, recipe):
     full = counter.count_kernels(recipe)
     small = counter.count_kernels(recipe, (64, 128, 256), device="cpu")
