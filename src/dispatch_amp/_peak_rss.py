@@ -18,8 +18,12 @@ Example::
     >>> reset = reset_peak_rss()          # True on Linux
     >>> before = peak_rss_mb()            # right after a reset: the current RSS
     >>> block = b"x" * (64 * 2**20)      # 64 MiB, written
-    >>> peak_rss_mb() - before >= 63 or not reset
+    >>> peak_rss_mb() - before > 48 or not reset
     True
+
+RSS counts the pages of loaded libraries too, which the kernel may drop from a process
+under memory pressure: the 64 MiB block shows in full, less what was dropped since the
+reset (hence the example's margin).
 """
 
 from __future__ import annotations
