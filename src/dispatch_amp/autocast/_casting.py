@@ -31,10 +31,14 @@ _inference_mode_on = torch.is_inference_mode_enabled
 _cache_on = torch.is_autocast_cache_enabled
 _is_view = _torch_compat.tensor_is_view
 _LAST_FIRST = _torch_compat.CASTS_LAST_ARGUMENT_FIRST
+
+
+def _positions(n: int) -> tuple[int, ...]:
+    return tuple(range(n - 1, -1, -1)) if _LAST_FIRST else tuple(range(n))
+
+
 # arg_order(n) for the argument counts ops have, looked up by the handlers' hot path.
-ORDERS = tuple(
-    tuple(range(n - 1, -1, -1)) if _LAST_FIRST else tuple(range(n)) for n in range(64)
-)
+ORDERS = tuple(_positions(n) for n in range(64))
 
 
 def arg_order(n: int) -> tuple[int, ...]:
@@ -44,9 +48,7 @@ def arg_order(n: int) -> tuple[int, ...]:
     schema) come before the positional ones when native casts the last argument first
     (``cast_arguments``).
     """
-    if n < 64:
-        return ORDERS[n]
-    return tuple(range(n - 1, -1, -1)) if _LAST_FIRST else tuple(range(n))
+    return ORDERS[n] if n < 64 else _positions(n)
 
 
 def first_tensor(args, kwargs):
@@ -166,11 +168,12 @@ def iter_tensors(args, kwargs):
                         yield b
 
 
-def promote_dtype(low: torch.dtype, device_type: str, args, kwargs, op_name: str = "this op") -> torch.dtype:
+def promote_dtype(low: torch.dtype, device_type: str, args, kwargs, op=None) -> torch.dtype:
     """Native's promote rule (``prioritize`` in ATen's autocast): float32 if any eligible
     input is float32, else ``low``; float64 inputs are left out. An eligible input of
     another floating dtype (float16 in a bfloat16 region, a float8 tensor) raises, as
-    native does. No aten call: the dtypes are compared in Python."""
+    native does (naming ``op``, an aten overload, when given). No aten call: the dtypes are
+    compared in Python."""
     widest = low
     for t in iter_tensors(args, kwargs):
         d = t.dtype
@@ -180,7 +183,7 @@ def promote_dtype(low: torch.dtype, device_type: str, args, kwargs, op_name: str
             widest = _float32
         else:
             raise RuntimeError(
-                f"{op_name} under autocast: its inputs mix {low} and {d}; autocast promotes "
+                f"{op._schema.name if op is not None else 'this op'} under autocast: its inputs mix {low} and {d}; autocast promotes "
                 f"among the region's dtype ({low}) and float32 only (native autocast raises "
                 f"here too, 'Unexpected floating ScalarType'). Cast the {d} input to {low} "
                 f"or float32 before the call."

@@ -140,7 +140,7 @@ def fp32(ctx, st, op, keyset, args, kwargs):
 
 def promote(ctx, st, op, keyset, args, kwargs):
     """Every eligible argument to the widest floating dtype among them and the region's."""
-    dtype = promote_dtype(ctx.dtype, ctx.device_type, args, kwargs, op._schema.name)
+    dtype = promote_dtype(ctx.dtype, ctx.device_type, args, kwargs, op)
     args, kwargs = cast_arguments(args, kwargs, dtype, ctx, st)
     return run_without_autocast(op, args, kwargs)
 
