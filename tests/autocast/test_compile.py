@@ -320,7 +320,7 @@ def test_ours_used_inside_a_compiled_function_is_traced(form):
 def _engine_is_idle():
     from dispatch_amp.autocast import _engine
 
-    return _engine.STATE.frames == [] and _engine.STATE.fp8_level is None and not _engine.STATE.key_on
+    return _engine.STATE.regions == [] and _engine.STATE.fp8_level is None and not _engine.STATE.key_on
 
 
 def test_ours_inside_a_compiled_function_falls_back_where_it_cannot_be_traced():

@@ -41,7 +41,7 @@ BOTH = pytest.mark.parametrize("region", [native, ours], ids=["native", "ours"])
 @pytest.fixture(autouse=True)
 def no_state_leaks():
     yield
-    assert _engine.STATE.frames == [] and _engine.STATE.fp8_level is None and not _engine.STATE.key_on
+    assert _engine.STATE.regions == [] and _engine.STATE.fp8_level is None and not _engine.STATE.key_on
     assert not torch.is_autocast_enabled("privateuseone")
     assert not torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
     assert torch.is_autocast_cache_enabled()

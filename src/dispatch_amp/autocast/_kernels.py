@@ -68,7 +68,7 @@ def _context(st, args, kwargs):
     """The context of a call when the thread has no single primary one: several device
     types open (the first tensor's decides), or a thread torch started with our key on
     (no frames of ours here: the region is found from torch's state and our token)."""
-    if st.frames:
+    if st.regions:
         if not st.active:
             return None
         ctx = context_for(st.active, args, kwargs)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -57,21 +58,30 @@ class DeviceContext:
         object.__setattr__(self, "handlers", plan.handlers)
 
 
+class Region(NamedTuple):
+    """One open region, kept as one record so that it is pushed and popped in one step:
+    a region opened in between (a signal handler, a finalizer) sees the stack either
+    without it or with all of it, never with some of its parts."""
+
+    # Device type -> DeviceContext in force in this region (the region's handle, too).
+    frame: dict[str, DeviceContext]
+    # torch's autocast nesting counter right after the region was entered.
+    depth: int
+    # The context the region itself opened.
+    own: DeviceContext
+    # What torch's state was before it (_engine.NativeState), restored when it closes.
+    saved: object
+
+
 class ThreadState(threading.local):
     def __init__(self):
-        # frames[i] maps device type -> DeviceContext; the last frame is in force.
-        self.frames: list[dict[str, DeviceContext]] = []
-        # depths[i]: torch's autocast nesting counter right after frame i was entered.
-        self.depths: list[int] = []
-        # owns[i]: the context region i itself opened; saved[i]: what torch's state was
-        # before it (_engine.NativeState), restored when it closes.
-        self.owns: list[DeviceContext] = []
-        self.saved: list = []
+        # The open regions, outermost first; the last one's frame is in force.
+        self.regions: list[Region] = []
         # Enabled contexts of the innermost frame; `primary` is set when there is exactly
         # one (the common case), so the hot path needs no device lookup.
         self.active: tuple[DeviceContext, ...] = ()
         self.primary: DeviceContext | None = None
-        # depths[-1]: a deeper nesting counter means a native region inside our innermost.
+        # regions[-1].depth: a deeper nesting counter means a native region inside our innermost.
         self.native_depth: int = -1
         # Whether this thread's dispatch-key state has our key switched on (_dispatch_key),
         # and what torch's "privateuseone" autocast dtype was before we first set it.
