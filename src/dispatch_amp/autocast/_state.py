@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
+from torch._C import DispatchKey
 from torch.overrides import TorchFunctionMode
 
 from .. import _torch_compat
@@ -24,6 +25,12 @@ _Tensor = torch.Tensor
 _DEVICE_TESTS = {
     "cpu": _Tensor.is_cpu.__get__, "cuda": _Tensor.is_cuda.__get__,
     "xpu": _Tensor.is_xpu.__get__, "mps": _Tensor.is_mps.__get__,
+}
+# Native autocast's dispatch key per device type: torch.set_autocast_enabled(device_type,
+# False) excludes it on the thread, which the kernels read to follow that switch.
+_NATIVE_KEYS = {
+    "cpu": DispatchKey.AutocastCPU, "cuda": DispatchKey.AutocastCUDA,
+    "xpu": DispatchKey.AutocastXPU, "mps": DispatchKey.AutocastMPS,
 }
 
 
@@ -46,6 +53,12 @@ class DeviceContext:
     plan: Plan = field(init=False, repr=False, compare=False)
     # plan.handlers, read directly on the hot path.
     handlers: dict = field(init=False, repr=False, compare=False)
+    # Native autocast's dispatch key for the device type (excluded on a thread where
+    # torch.set_autocast_enabled switched it off).
+    native_key: DispatchKey = field(init=False, repr=False, compare=False)
+    # dtype -> this context with that dtype: what a region is where torch's dtype for
+    # its device type was set to another by hand (_kernels.as_torch_says).
+    by_dtype: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         test = _DEVICE_TESTS.get(self.device_type)
@@ -56,6 +69,8 @@ class DeviceContext:
         plan = plan_for(self.policy, device_type)
         object.__setattr__(self, "plan", plan)
         object.__setattr__(self, "handlers", plan.handlers)
+        object.__setattr__(self, "native_key", _NATIVE_KEYS[self.device_type])
+        object.__setattr__(self, "by_dtype", {})
 
 
 class Region(NamedTuple):
