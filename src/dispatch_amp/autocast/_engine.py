@@ -392,8 +392,11 @@ def _refresh(st: ThreadState) -> None:
     regions = st.regions
     top = regions[-1] if regions else None
     st.active = () if top is None else tuple(ctx for ctx in top.frame.values() if ctx.enabled)
-    st.primary = st.active[0] if len(st.active) == 1 else None
-    st.native_depth = -1 if top is None else top.depth
+    primary = st.primary = st.active[0] if len(st.active) == 1 else None
+    depth = st.native_depth = -1 if top is None else top.depth
+    st.top = None if primary is None else (
+        primary, depth, primary.native_key, primary.device_type, primary.dtype, primary.handlers
+    )
     # Each step is recorded before it is taken and every call sets the key's state anew,
     # so a repeat after an interrupt finishes the job (see "Note: interrupts").
     if st.active:

@@ -58,22 +58,25 @@ def make_kernel(op):
 
     def kernel(keyset, *args, **kwargs):
         st = STATE
-        ctx = st.primary
-        if ctx is None:
+        top = st.top  # one read of the thread's state for the common case: one context
+        if top is None:
             ctx = _context(st, args, kwargs)
             if ctx is None:
                 return _to_native(op, args, kwargs)
+            handlers = ctx.handlers
         else:
+            ctx, depth, native_key, device_type, dtype, handlers = top
             # A native region opened inside our innermost raised torch's nesting counter.
             _increment_nesting()
-            if _decrement_nesting() > st.native_depth:
+            if _decrement_nesting() > depth:
                 return _to_native(op, args, kwargs)
             # torch's state switched by hand inside the region (see the module docstring).
-            if _excluded(ctx.native_key) or _get_dtype(ctx.device_type) is not ctx.dtype:
+            if _excluded(native_key) or _get_dtype(device_type) is not dtype:
                 ctx = as_torch_says(ctx)
                 if ctx is None:
                     return _to_native(op, args, kwargs)
-        handler = ctx.handlers.get(key)
+                handlers = ctx.handlers
+        handler = handlers.get(key)
         if handler is None:
             handler = ctx.plan.handler(op)
         return handler(ctx, st, op, keyset, args, kwargs)

@@ -98,6 +98,9 @@ class ThreadState(threading.local):
         self.primary: DeviceContext | None = None
         # regions[-1].depth: a deeper nesting counter means a native region inside our innermost.
         self.native_depth: int = -1
+        # What the kernels read per call, in one read: (primary, native_depth, primary's
+        # native key, device type, dtype and handlers) while there is a primary, else None.
+        self.top: tuple | None = None
         # Whether this thread's dispatch-key state has our key switched on (_dispatch_key),
         # and what torch's "privateuseone" autocast dtype was before we first set it.
         self.key_on: bool = False
