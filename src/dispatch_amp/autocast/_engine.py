@@ -82,7 +82,6 @@ Note: torch.compile
 from __future__ import annotations
 
 import dataclasses
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -165,17 +164,20 @@ def enter(ctx: DeviceContext) -> dict[str, DeviceContext]:
 
 
 _PREPARED: set = set()
-_PREPARE_LOCK = threading.Lock()
 
 
 def _prepare(ctx: DeviceContext) -> None:
-    """Makes sure the kernels ``ctx``'s plan needs are registered (once per plan)."""
+    """Makes sure the kernels ``ctx``'s plan needs are registered (once per plan).
+
+    No lock is held here: a region opened by a signal handler while this thread
+    registers must not wait for the frame it interrupted (``ensure_kernels`` says how
+    registering stays safe); a plan recorded twice is recorded once.
+    """
     plan = ctx.plan
     if plan in _PREPARED:
         return
-    with _PREPARE_LOCK:
-        _dispatch_key.ensure_kernels(plan.registered)
-        _PREPARED.add(plan)
+    _dispatch_key.ensure_kernels(plan.registered)
+    _PREPARED.add(plan)
 
 
 def leave(frame: dict[str, DeviceContext]) -> None:
