@@ -90,7 +90,7 @@ from torch.overrides import TorchFunctionMode
 from .. import _torch_compat
 from . import _cast_cache, _dispatch_key
 from ._state import STATE, DeviceContext, Region, ThreadState
-from ._tokens import BUILTIN_TOKEN, pin_current, token_for
+from ._tokens import BUILTIN_TOKEN, pin_current, release_pins, token_for
 from ._tracing_path import trace_call
 
 _NATIVE_CLEAR = torch.clear_autocast_cache  # the genuine one, before anyone replaces it
@@ -463,8 +463,10 @@ class _CompileHooks:
 
     def install(self) -> None:
         """Registers the callbacks unless they are registered (``torch._dynamo.reset()``
-        drops every callback: each region's entry checks)."""
+        drops every callback: each region's entry checks). Found dropped, the reset also
+        dropped every compiled graph: no token is held by one any more."""
         if not _torch_compat.compile_callback_registered(self._start):
+            release_pins()
             _torch_compat.on_compile_start(self._start)
             _torch_compat.on_compile_end(self._end)
 
