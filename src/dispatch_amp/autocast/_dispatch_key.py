@@ -113,7 +113,11 @@ def ensure_kernels(ops) -> None:
             failure.append(error)
 
     worker = threading.Thread(target=register, name="dispatch_amp-register-kernels", daemon=True)
-    worker.start()
+    try:
+        worker.start()
+    except RuntimeError:  # no new threads (the interpreter is shutting down): here, then
+        _register(missing)
+        return
     worker.join()
     if failure:
         raise failure[0]
