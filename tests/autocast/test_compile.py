@@ -320,7 +320,7 @@ def test_ours_used_inside_a_compiled_function_is_traced(form):
 def _engine_is_idle():
     from dispatch_amp.autocast import _engine
 
-    return _engine.STATE.frames == [] and _engine.STATE.fp8_level is None and not _engine.STATE.key_on
+    return _engine.STATE.regions == [] and _engine.STATE.fp8_level is None and not _engine.STATE.key_on
 
 
 def test_ours_inside_a_compiled_function_falls_back_where_it_cannot_be_traced():
@@ -445,3 +445,29 @@ def test_inductors_cache_serves_ours_the_graphs_it_compiled_for_native():
                 assert counters["inductor"]["fxgraph_cache_miss"] == 2  # compiled: forward, backward
     assert counters["inductor"]["fxgraph_cache_hit"] == 2
     assert counters["inductor"]["fxgraph_cache_miss"] == 0
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("switch", ["off", "fp16"])
+def test_a_compiled_function_under_state_switched_by_hand_does_what_native_does(switch, backend):
+    # Dynamo guards torch's autocast state: the switch recompiles, and the graph traced
+    # through our kernels follows the switched state as native's does.
+    a, w = torch.randn(8, 8), torch.randn(8, 8)
+
+    def f(x):
+        return torch.mm(x, w).relu() @ w
+
+    results = {}
+    for region in (torch.autocast, amp.autocast):
+        torch._dynamo.reset()
+        compiled = torch.compile(f, backend=backend)
+        with region("cpu", dtype=torch.bfloat16):
+            before = compiled(a)
+            if switch == "off":
+                torch.set_autocast_enabled("cpu", False)
+            else:
+                torch.set_autocast_dtype("cpu", torch.float16)
+            after = compiled(a)
+        results[region] = (before, after, compiled(a))
+    for ours, native in zip(results[amp.autocast], results[torch.autocast]):
+        assert ours.dtype == native.dtype and torch.equal(ours, native)

@@ -40,7 +40,7 @@ class CountOps(TorchDispatchMode):
 @pytest.fixture(autouse=True)
 def no_state_leaks():
     yield
-    assert _engine.STATE.frames == [] and _engine.STATE.fp8_level is None and not _engine.STATE.key_on
+    assert _engine.STATE.regions == [] and _engine.STATE.fp8_level is None and not _engine.STATE.key_on
     assert not torch.is_autocast_enabled("privateuseone")
     assert not amp.is_autocast_enabled("cpu")
 
@@ -670,7 +670,7 @@ def test_regions_closed_in_any_order_leave_the_innermost_in_force_and_nothing_be
     finally:  # a failed check above must not leave regions open for the next example
         for i in reversed(still_open):
             opened[i][0].__exit__(None, None, None)
-    assert _engine.STATE.frames == [] and _engine.STATE.owns == [] and _engine.STATE.saved == []
+    assert _engine.STATE.regions == []
     assert torch._C._len_torch_function_stack() == 0
     assert (torch._functorch.config.backward_pass_autocast, torch.get_autocast_dtype("cpu")) == before
     assert not torch.is_autocast_enabled("cpu") and torch.mm(a, a).dtype == torch.float32
@@ -685,7 +685,7 @@ def _torch_state():
     nesting = torch.autocast_decrement_nesting()
     st = _engine.STATE
     return (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), nesting,
-            torch._C._len_torch_function_stack(), len(st.frames), len(st.owns), len(st.saved),
+            torch._C._len_torch_function_stack(), len(st.regions),
             st.fp8_level is not None, st.key_on, torch.is_autocast_enabled("privateuseone"),
             torch.get_autocast_dtype("privateuseone"),
             torch._functorch.config.backward_pass_autocast)
@@ -738,3 +738,61 @@ def test_an_interrupt_anywhere_in_enter_or_exit_leaves_the_region_fully_open_or_
             region.__exit__(None, None, None)
             assert _torch_state() == closed
     assert set(left_open) <= {"__exit__"} and len(left_open) <= 2, left_open
+
+
+# -- a region opened while another is being entered or left (a signal handler's) --------
+def _nested_at(k, outer_policy, inner_policy, in_function):
+    """Runs `with amp.autocast("cpu", policy=outer_policy): mm`, opening and closing a
+    float16 region (a signal handler's) at the k-th line run in ``in_function`` while the
+    region is entered or left (0: never);
+    returns the number of such lines, the dtypes seen inside each region, and whether the
+    inner region ran."""
+    count, seen = [0], {}
+    a = torch.ones(2, 2)
+
+    def handler():
+        with amp.autocast("cpu", dtype=torch.float16, policy=inner_policy):
+            seen["inner"] = torch.mm(a, a).dtype
+
+    def tracer(frame, event, arg):
+        if event == "call":
+            return tracer if frame.f_code.co_name == in_function and frame.f_code.co_filename.startswith(_PACKAGE) else None
+        if event == "line":
+            count[0] += 1
+            if count[0] == k:
+                handler()  # the trace function runs untraced: the handler's lines are not counted
+        return tracer
+
+    region = amp.autocast("cpu", dtype=torch.bfloat16, policy=outer_policy)
+    sys.settrace(tracer)
+    try:
+        region.__enter__()
+    finally:
+        sys.settrace(None)
+    try:
+        seen["outer"] = torch.mm(a, a).dtype
+    finally:
+        sys.settrace(tracer)
+        try:
+            region.__exit__(None, None, None)
+        finally:
+            sys.settrace(None)
+    return count[0], seen
+
+
+@pytest.mark.parametrize("in_function", ["_push_frame", "enter", "_refresh", "leave", "_uninstall"])
+@pytest.mark.parametrize("policy", [None, CUSTOM], ids=["built-in", "own"])
+def test_a_region_opened_at_any_line_of_another_regions_entry_or_exit_leaves_both_whole(policy, in_function):
+    # A handler that opens and closes a region of its own while ours is being pushed: both
+    # regions see their own casts, and after ours closes no record, no level and no count
+    # of torch's is left (a region half pushed left torch's nesting counter at 1 and the
+    # region's parts out of step).
+    closed = _torch_state()
+    lines, _ = _nested_at(0, policy, None, in_function)
+    assert lines > 0
+    outer_dtype = torch.float32 if policy is CUSTOM else torch.bfloat16
+    for k in range(1, lines + 1):
+        _, seen = _nested_at(k, policy, None, in_function)
+        assert seen == {"inner": torch.float16, "outer": outer_dtype}, f"line {k} of {in_function}: {seen}"
+        assert _torch_state() == closed, f"line {k} of {in_function}: {_torch_state()} != {closed}"
+        assert _engine.STATE.regions == []

@@ -41,7 +41,7 @@ BOTH = pytest.mark.parametrize("region", [native, ours], ids=["native", "ours"])
 @pytest.fixture(autouse=True)
 def no_state_leaks():
     yield
-    assert _engine.STATE.frames == [] and _engine.STATE.fp8_level is None and not _engine.STATE.key_on
+    assert _engine.STATE.regions == [] and _engine.STATE.fp8_level is None and not _engine.STATE.key_on
     assert not torch.is_autocast_enabled("privateuseone")
     assert not torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
     assert torch.is_autocast_cache_enabled()
@@ -109,6 +109,71 @@ def test_native_never_casts_under_a_policy_that_differs():
         # Ops the policy still casts are cast, by us.
         assert torch.bmm(a[None], b[None]).dtype == torch.bfloat16
         assert torch.is_autocast_enabled("cpu")
+
+
+def _legacy(name, *args):
+    """torch's deprecated per-device setters (they warn; what they do is current)."""
+    def switch():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            getattr(torch, name)(*args)
+    return switch
+
+
+# torch's state switched by hand inside a region, as inference wrappers, export helpers
+# and restore paths do.
+HAND_SWITCHES = {
+    "off": lambda: torch.set_autocast_enabled("cpu", False),
+    "fp16": lambda: torch.set_autocast_dtype("cpu", torch.float16),
+    "off-then-on": lambda: (torch.set_autocast_enabled("cpu", False), torch.set_autocast_enabled("cpu", True)),
+    "legacy-off": _legacy("set_autocast_cpu_enabled", False),
+    "legacy-fp16": _legacy("set_autocast_cpu_dtype", torch.float16),
+    "off-and-fp16": lambda: (torch.set_autocast_enabled("cpu", False), torch.set_autocast_dtype("cpu", torch.float16)),
+}
+
+
+def _ops_and_queries():
+    torch.manual_seed(0)
+    a, w, b = torch.randn(8, 8), nn.Parameter(torch.randn(8, 8)), torch.randn(8)
+    return [
+        torch.mm(a, w), F.linear(a, w, b), torch.addmm(b, a, w), torch.softmax(a, 1),
+        torch.cat([a, a]), torch.stack([a.double(), a]), F.conv1d(a[None], w[:, :, None]),
+        # torch's queries for the device type (not _is_any_autocast_enabled, which reads
+        # our key as "privateuseone" autocast: see "Note: torch sees our state as native
+        # state" in _engine.py).
+        *[torch.tensor(float(q)) if isinstance(q, bool) else torch.tensor(0, dtype=q) for q in (
+            torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), amp.is_autocast_enabled("cpu"),
+            amp.get_autocast_dtype("cpu"), torch.is_autocast_cache_enabled())],
+    ]
+
+
+@pytest.mark.parametrize("switch", sorted(HAND_SWITCHES))
+def test_state_switched_by_hand_inside_a_region_is_followed_as_native_follows_it(switch):
+    # The casts follow torch's state, as torch's queries report it: inside the region, in
+    # a region nested after the switch (which restores the switched state when it closes)
+    # and after the region (which restores what it found, as torch.autocast's exit does).
+    results = {}
+    for region in (native, ours):
+        seen = []
+        with region():
+            HAND_SWITCHES[switch]()
+            seen.append(_ops_and_queries())
+            with region(dtype=torch.bfloat16):
+                seen.append(_ops_and_queries())
+            seen.append(_ops_and_queries())
+        seen.append(_ops_and_queries())
+        results[region] = seen
+    same(results[ours], results[native])
+
+
+@pytest.mark.parametrize("switch", ["off", "fp16"])
+def test_state_switched_by_hand_under_a_policy_of_ones_own_keeps_the_policy(switch):
+    a = torch.randn(8, 8)
+    with ours(policy=KEEP_MM_FP32):
+        HAND_SWITCHES[switch]()
+        want = torch.float32 if switch == "off" else torch.float16
+        assert torch.bmm(a[None], a[None]).dtype == want       # the policy lowers it: to torch's dtype
+        assert torch.mm(a, a).dtype == torch.float32           # the policy keeps it in float32
 
 
 # -- 2. modules and functions that ask torch ------------------------------------------

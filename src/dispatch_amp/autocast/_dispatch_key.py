@@ -88,11 +88,43 @@ def ensure_kernels(ops) -> None:
 
     Registration is global (the dispatcher's tables are per process) and kept for the
     life of the process; a kernel only acts on threads that have the key on.
+
+    On the main thread the registering runs on a thread of its own, which the main
+    thread waits for: Python runs signal handlers on the main thread only, between any
+    two lines, so a handler that opens a region while the main thread registered there
+    itself would re-enter the registering half done (two fallbacks, a kernel registered
+    twice) or wait for ever on the lock its own thread holds. While the main thread
+    waits, a handler runs as usual; a region it opens waits for the registering under
+    way to finish, then registers what it needs in the same way.
     """
     registry = _REGISTRY
     missing = [op for op in ops if op not in registry.kernels]
     if not missing and registry.fallback is not None:
         return
+    if threading.current_thread() is not threading.main_thread():
+        _register(missing)
+        return
+    failure = []
+
+    def register():
+        try:
+            _register(missing)
+        except BaseException as error:  # noqa: BLE001 - raised again on the caller's thread
+            failure.append(error)
+
+    worker = threading.Thread(target=register, name="dispatch_amp-register-kernels", daemon=True)
+    try:
+        worker.start()
+    except RuntimeError:  # no new threads (the interpreter is shutting down): here, then
+        _register(missing)
+        return
+    worker.join()
+    if failure:
+        raise failure[0]
+
+
+def _register(missing) -> None:
+    registry = _REGISTRY
     with registry.lock:
         _install()
         for op in missing:

@@ -82,7 +82,6 @@ Note: torch.compile
 from __future__ import annotations
 
 import dataclasses
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -90,8 +89,8 @@ from torch.overrides import TorchFunctionMode
 
 from .. import _torch_compat
 from . import _cast_cache, _dispatch_key
-from ._state import STATE, DeviceContext, ThreadState
-from ._tokens import BUILTIN_TOKEN, pin_current, token_for
+from ._state import STATE, DeviceContext, Region, ThreadState
+from ._tokens import BUILTIN_TOKEN, pin_current, release_pins, token_for
 from ._tracing_path import trace_call
 
 _NATIVE_CLEAR = torch.clear_autocast_cache  # the genuine one, before anyone replaces it
@@ -143,7 +142,7 @@ def enter(ctx: DeviceContext) -> dict[str, DeviceContext]:
     saved = NativeState.read(
         ctx.device_type, _functorch_config.backward_pass_autocast if changes_backward else None
     )
-    below = len(st.frames)
+    below = len(st.regions)
     depth = None
     try:
         if changes_backward:
@@ -154,10 +153,10 @@ def enter(ctx: DeviceContext) -> dict[str, DeviceContext]:
         torch.set_autocast_cache_enabled(ctx.cache_enabled)
         frame = dict(current_frame())
         frame[ctx.device_type] = ctx
-        _push_frame(st, frame, depth, ctx, saved)
+        _push_frame(st, Region(frame, depth, ctx, saved))
         return frame
     except BaseException:
-        del st.frames[below:], st.depths[below:], st.owns[below:], st.saved[below:]
+        del st.regions[below:]
         _uninstall(st, below)
         _refresh(st)
         _restore_native(saved, None if depth is None else _decrement_nesting())
@@ -165,17 +164,20 @@ def enter(ctx: DeviceContext) -> dict[str, DeviceContext]:
 
 
 _PREPARED: set = set()
-_PREPARE_LOCK = threading.Lock()
 
 
 def _prepare(ctx: DeviceContext) -> None:
-    """Makes sure the kernels ``ctx``'s plan needs are registered (once per plan)."""
+    """Makes sure the kernels ``ctx``'s plan needs are registered (once per plan).
+
+    No lock is held here: a region opened by a signal handler while this thread
+    registers must not wait for the frame it interrupted (``ensure_kernels`` says how
+    registering stays safe); a plan recorded twice is recorded once.
+    """
     plan = ctx.plan
     if plan in _PREPARED:
         return
-    with _PREPARE_LOCK:
-        _dispatch_key.ensure_kernels(plan.registered)
-        _PREPARED.add(plan)
+    _dispatch_key.ensure_kernels(plan.registered)
+    _PREPARED.add(plan)
 
 
 def leave(frame: dict[str, DeviceContext]) -> None:
@@ -187,14 +189,15 @@ def leave(frame: dict[str, DeviceContext]) -> None:
     An exception part-way (an interrupt) finishes closing before it propagates.
     """
     st = STATE
-    index = len(st.frames) - 1
-    if index < 0 or st.frames[index] is not frame:
-        for index in range(len(st.frames) - 2, -1, -1):
-            if st.frames[index] is frame:
+    regions = st.regions
+    index = len(regions) - 1
+    if index < 0 or regions[index].frame is not frame:
+        for index in range(len(regions) - 2, -1, -1):
+            if regions[index].frame is frame:
                 _remove_frame(st, index)
                 return
         raise RuntimeError("this autocast region is not open on this thread; exit each region once")
-    saved = st.saved[index]
+    saved = regions[index].saved
     remaining = None
     try:
         _drop(st, index)
@@ -204,7 +207,7 @@ def leave(frame: dict[str, DeviceContext]) -> None:
         _restore_native(saved, remaining)
     except BaseException:
         # Every step below is safe to repeat; only the nesting counter is counted.
-        if index < len(st.frames) and st.frames[index] is frame:
+        if index < len(regions) and regions[index].frame is frame:
             _drop(st, index)
         _uninstall(st, index)
         _refresh(st)
@@ -216,7 +219,7 @@ def leave(frame: dict[str, DeviceContext]) -> None:
 
 def is_open(frame: dict[str, DeviceContext]) -> bool:
     """Whether the region whose :func:`enter` returned ``frame`` is open on this thread."""
-    return any(f is frame for f in STATE.frames)
+    return any(region.frame is frame for region in STATE.regions)
 
 
 # Note: interrupts
@@ -242,17 +245,14 @@ def _restore_native(saved: NativeState, remaining: int | None) -> None:
         _functorch_config.backward_pass_autocast = saved.backward_autocast
 
 
-def _push_frame(
-    st: ThreadState, frame: dict[str, DeviceContext], depth: int, own: DeviceContext, saved: NativeState
-) -> None:
+def _push_frame(st: ThreadState, region: Region) -> None:
     if st.fp8_mode is None:
         st.fp8_mode = _Fp8Level()
-    st.frames.append(frame)
-    st.depths.append(depth)
-    st.owns.append(own)
-    st.saved.append(saved)
+    # One append: a region opened and closed at any point of this function (a signal
+    # handler's) finds the stack with this region whole or without it.
+    st.regions.append(region)
     _refresh(st)
-    index = len(st.frames) - 1
+    index = len(st.regions) - 1
     # The fp8 level is recorded before it goes on torch's stack (see "Note: interrupts").
     wants_fp8 = any(ctx.fp8 is not None for ctx in st.active)
     if st.fp8_level is None and wants_fp8:
@@ -267,7 +267,7 @@ def _push_frame(
 
 
 def _drop(st: ThreadState, index: int) -> None:
-    del st.frames[index], st.depths[index], st.owns[index], st.saved[index]
+    del st.regions[index]
 
 
 # Note: regions left out of order
@@ -283,38 +283,44 @@ def _drop(st: ThreadState, index: int) -> None:
 # one would have, and the fp8 level it installed passes to the next region above that
 # needs it, or leaves torch's mode stack from wherever it is.
 def _remove_frame(st: ThreadState, index: int) -> None:
-    own, saved = st.owns[index], st.saved[index]
-    top = len(st.frames) - 1
+    regions = st.regions
+    own, saved = regions[index].own, regions[index].saved
+    top = len(regions) - 1
+
+    def set_saved(j: int, new_saved: NativeState) -> None:
+        regions[j] = regions[j]._replace(saved=new_saved)  # one record, replaced in one step
+
     same_device = next(
-        (j for j in range(index + 1, top + 1) if st.owns[j].device_type == own.device_type), None
+        (j for j in range(index + 1, top + 1) if regions[j].own.device_type == own.device_type), None
     )
     if same_device is None:  # nothing above sets this device's state: it returns now
         _set_native_enabled(own.device_type, saved.enabled)
         torch.set_autocast_dtype(own.device_type, saved.dtype)
     else:
-        st.saved[same_device] = dataclasses.replace(
-            saved, backward_autocast=st.saved[same_device].backward_autocast
-        )
-    st.saved[index + 1] = dataclasses.replace(st.saved[index + 1], cache_enabled=saved.cache_enabled)
+        set_saved(same_device, dataclasses.replace(
+            saved, backward_autocast=regions[same_device].saved.backward_autocast
+        ))
+    set_saved(index + 1, dataclasses.replace(regions[index + 1].saved, cache_enabled=saved.cache_enabled))
     if saved.backward_autocast is not None:
         changed_too = next(
-            (j for j in range(index + 1, top + 1) if st.saved[j].backward_autocast is not None), None
+            (j for j in range(index + 1, top + 1) if regions[j].saved.backward_autocast is not None), None
         )
         if changed_too is None:
             _functorch_config.backward_pass_autocast = saved.backward_autocast
         else:
-            st.saved[changed_too] = dataclasses.replace(
-                st.saved[changed_too], backward_autocast=saved.backward_autocast
-            )
+            set_saved(changed_too, dataclasses.replace(
+                regions[changed_too].saved, backward_autocast=saved.backward_autocast
+            ))
     _decrement_nesting()  # a region above is still open: never the outermost
     _drop(st, index)
-    for j in range(index, len(st.frames)):
-        st.depths[j] -= 1
-        frame = st.frames[j]  # rebuilt in place: it is also that region's handle
+    for j in range(index, len(regions)):
+        region = regions[j]
+        regions[j] = region._replace(depth=region.depth - 1)
+        frame = region.frame  # rebuilt in place: it is also that region's handle
         frame.clear()
         if j:
-            frame.update(st.frames[j - 1])
-        frame[st.owns[j].device_type] = st.owns[j]
+            frame.update(regions[j - 1].frame)
+        frame[region.own.device_type] = region.own
     if index in st.fp8_repushers:
         _take_off_function_stack(st.fp8_mode)
         st.fp8_repushers.remove(index)
@@ -323,7 +329,7 @@ def _remove_frame(st: ThreadState, index: int) -> None:
         st.fp8_installer -= 1
     elif st.fp8_installer == index:
         heir = next(
-            (j for j in range(index, len(st.frames)) if any(c.fp8 is not None and c.enabled for c in st.frames[j].values())),
+            (j for j in range(index, len(regions)) if any(c.fp8 is not None and c.enabled for c in regions[j].frame.values())),
             None,
         )
         if heir is not None:
@@ -354,7 +360,7 @@ def _uninstall(st: ThreadState, index: int) -> None:
     # torch.clear_autocast_cache. Code that replaces that function to keep native's casts
     # for a backward run after the region (torch's own tests of its global cache do) keeps
     # ours too: only the genuine function drops them.
-    if not st.frames and torch.clear_autocast_cache is _NATIVE_CLEAR:
+    if not st.regions and torch.clear_autocast_cache is _NATIVE_CLEAR:
         _cast_cache.region_closed()
 
 
@@ -378,23 +384,32 @@ def _take_off_function_stack(mode: TorchFunctionMode) -> None:
 
 
 def current_frame() -> dict[str, DeviceContext]:
-    frames = STATE.frames
-    return frames[-1] if frames else {}
+    regions = STATE.regions
+    return regions[-1].frame if regions else {}
 
 
 def _refresh(st: ThreadState) -> None:
     """Derives everything the kernels read from the frames: the contexts in force, our
     key's state and our token (see "Note: the engine lives in the dispatcher")."""
-    frame = st.frames[-1] if st.frames else {}
-    st.active = tuple(ctx for ctx in frame.values() if ctx.enabled)
-    st.primary = st.active[0] if len(st.active) == 1 else None
-    st.native_depth = st.depths[-1] if st.depths else -1
+    regions = st.regions
+    top = regions[-1] if regions else None
+    st.active = () if top is None else tuple(ctx for ctx in top.frame.values() if ctx.enabled)
+    primary = st.primary = st.active[0] if len(st.active) == 1 else None
+    depth = st.native_depth = -1 if top is None else top.depth
+    st.top = None if primary is None else (
+        primary, depth, primary.native_key, primary.device_type, primary.dtype, primary.handlers
+    )
     # Each step is recorded before it is taken and every call sets the key's state anew,
     # so a repeat after an interrupt finishes the job (see "Note: interrupts").
     if st.active:
         if not st.key_on:
-            st.token_saved = torch.get_autocast_dtype(_PU1)
-            st.key_on = True
+            # Read, then look again: a region opened after the read (a signal handler's)
+            # turns the key on and leaves our token in torch's state, which must not be
+            # what is restored.
+            token_saved = torch.get_autocast_dtype(_PU1)
+            if not st.key_on:
+                st.token_saved = token_saved
+                st.key_on = True
         _dispatch_key.switch(True)
         token = token_for(st.active)
         if torch.get_autocast_dtype(_PU1) is not token:
@@ -448,8 +463,10 @@ class _CompileHooks:
 
     def install(self) -> None:
         """Registers the callbacks unless they are registered (``torch._dynamo.reset()``
-        drops every callback: each region's entry checks)."""
+        drops every callback: each region's entry checks). Found dropped, the reset also
+        dropped every compiled graph: no token is held by one any more."""
         if not _torch_compat.compile_callback_registered(self._start):
+            release_pins()
             _torch_compat.on_compile_start(self._start)
             _torch_compat.on_compile_end(self._end)
 

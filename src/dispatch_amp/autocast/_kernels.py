@@ -4,8 +4,17 @@ One kernel per aten overload, registered at our autocast key by ``_dispatch_key.
 dispatcher calls it only on a thread with the key on (inside one of our regions) and
 only for the ops some policy in use casts (or native autocast would cast): every other
 op passes the key in C++. On the hot path it reads the thread's innermost context, checks
-that no native region is open inside ours, and hands the call to the handler its policy
-gives the op (``_routing.Plan``, ``_handlers.py``).
+that no native region is open inside ours and that torch's state for the device type is
+still the context's, and hands the call to the handler its policy gives the op
+(``_routing.Plan``, ``_handlers.py``).
+
+torch's state switched by hand inside our region (``torch.set_autocast_enabled``,
+``torch.set_autocast_dtype``, their legacy per-device forms) is followed, as native's
+kernels follow it, so that the casts and torch's queries never disagree: autocast
+switched off for the device type runs the call as given; another dtype casts to that
+dtype under the region's policy. Both are read per call, cheaply: whether native's key
+for the device type is excluded on this thread (what switching autocast off does), and
+the device type's dtype.
 
 Where the call is not ours to decide it goes on to native autocast, with our key
 excluded for it and the ops it runs: a native ``torch.autocast`` region opened inside ours
@@ -14,6 +23,8 @@ device type none of our open contexts covers.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch._C import DispatchKey, DispatchKeySet
@@ -30,6 +41,8 @@ _increment_nesting = torch.autocast_increment_nesting
 _decrement_nesting = torch.autocast_decrement_nesting
 _ExcludeKeys = torch._C._ExcludeDispatchKeyGuard
 _OURS = DispatchKeySet(DispatchKey.AutocastPrivateUse1)
+_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+_get_dtype = torch.get_autocast_dtype
 
 
 def _to_native(op, args, kwargs):
@@ -45,17 +58,25 @@ def make_kernel(op):
 
     def kernel(keyset, *args, **kwargs):
         st = STATE
-        ctx = st.primary
-        if ctx is None:
+        top = st.top  # one read of the thread's state for the common case: one context
+        if top is None:
             ctx = _context(st, args, kwargs)
             if ctx is None:
                 return _to_native(op, args, kwargs)
+            handlers = ctx.handlers
         else:
+            ctx, depth, native_key, device_type, dtype, handlers = top
             # A native region opened inside our innermost raised torch's nesting counter.
             _increment_nesting()
-            if _decrement_nesting() > st.native_depth:
+            if _decrement_nesting() > depth:
                 return _to_native(op, args, kwargs)
-        handler = ctx.handlers.get(key)
+            # torch's state switched by hand inside the region (see the module docstring).
+            if _excluded(native_key) or _get_dtype(device_type) is not dtype:
+                ctx = as_torch_says(ctx)
+                if ctx is None:
+                    return _to_native(op, args, kwargs)
+                handlers = ctx.handlers
+        handler = handlers.get(key)
         if handler is None:
             handler = ctx.plan.handler(op)
         return handler(ctx, st, op, keyset, args, kwargs)
@@ -68,7 +89,7 @@ def _context(st, args, kwargs):
     """The context of a call when the thread has no single primary one: several device
     types open (the first tensor's decides), or a thread torch started with our key on
     (no frames of ours here: the region is found from torch's state and our token)."""
-    if st.frames:
+    if st.regions:
         if not st.active:
             return None
         ctx = context_for(st.active, args, kwargs)
@@ -77,8 +98,25 @@ def _context(st, args, kwargs):
         _increment_nesting()
         if _decrement_nesting() > st.native_depth:
             return None
+        if _excluded(ctx.native_key) or _get_dtype(ctx.device_type) is not ctx.dtype:
+            return as_torch_says(ctx)
         return ctx
     return _foreign_context(args, kwargs)
+
+
+def as_torch_says(ctx: DeviceContext) -> DeviceContext | None:
+    """``ctx`` as torch's state for its device type says now: None where autocast is
+    switched off there; where its dtype was set to another, the same context with that
+    dtype (made once per dtype)."""
+    if _excluded(ctx.native_key):
+        return None
+    dtype = _get_dtype(ctx.device_type)
+    if dtype is ctx.dtype:
+        return ctx
+    other = ctx.by_dtype.get(dtype)
+    if other is None:
+        other = ctx.by_dtype.setdefault(dtype, dataclasses.replace(ctx, dtype=dtype))
+    return other
 
 
 _FOREIGN: dict = {}

@@ -10,8 +10,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
+from torch._C import DispatchKey
 from torch.overrides import TorchFunctionMode
 
 from .. import _torch_compat
@@ -23,6 +25,12 @@ _Tensor = torch.Tensor
 _DEVICE_TESTS = {
     "cpu": _Tensor.is_cpu.__get__, "cuda": _Tensor.is_cuda.__get__,
     "xpu": _Tensor.is_xpu.__get__, "mps": _Tensor.is_mps.__get__,
+}
+# Native autocast's dispatch key per device type: torch.set_autocast_enabled(device_type,
+# False) excludes it on the thread, which the kernels read to follow that switch.
+_NATIVE_KEYS = {
+    "cpu": DispatchKey.AutocastCPU, "cuda": DispatchKey.AutocastCUDA,
+    "xpu": DispatchKey.AutocastXPU, "mps": DispatchKey.AutocastMPS,
 }
 
 
@@ -45,6 +53,12 @@ class DeviceContext:
     plan: Plan = field(init=False, repr=False, compare=False)
     # plan.handlers, read directly on the hot path.
     handlers: dict = field(init=False, repr=False, compare=False)
+    # Native autocast's dispatch key for the device type (excluded on a thread where
+    # torch.set_autocast_enabled switched it off).
+    native_key: DispatchKey = field(init=False, repr=False, compare=False)
+    # dtype -> this context with that dtype: what a region is where torch's dtype for
+    # its device type was set to another by hand (_kernels.as_torch_says).
+    by_dtype: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         test = _DEVICE_TESTS.get(self.device_type)
@@ -55,24 +69,38 @@ class DeviceContext:
         plan = plan_for(self.policy, device_type)
         object.__setattr__(self, "plan", plan)
         object.__setattr__(self, "handlers", plan.handlers)
+        object.__setattr__(self, "native_key", _NATIVE_KEYS[self.device_type])
+        object.__setattr__(self, "by_dtype", {})
+
+
+class Region(NamedTuple):
+    """One open region, kept as one record so that it is pushed and popped in one step:
+    a region opened in between (a signal handler, a finalizer) sees the stack either
+    without it or with all of it, never with some of its parts."""
+
+    # Device type -> DeviceContext in force in this region (the region's handle, too).
+    frame: dict[str, DeviceContext]
+    # torch's autocast nesting counter right after the region was entered.
+    depth: int
+    # The context the region itself opened.
+    own: DeviceContext
+    # What torch's state was before it (_engine.NativeState), restored when it closes.
+    saved: object
 
 
 class ThreadState(threading.local):
     def __init__(self):
-        # frames[i] maps device type -> DeviceContext; the last frame is in force.
-        self.frames: list[dict[str, DeviceContext]] = []
-        # depths[i]: torch's autocast nesting counter right after frame i was entered.
-        self.depths: list[int] = []
-        # owns[i]: the context region i itself opened; saved[i]: what torch's state was
-        # before it (_engine.NativeState), restored when it closes.
-        self.owns: list[DeviceContext] = []
-        self.saved: list = []
+        # The open regions, outermost first; the last one's frame is in force.
+        self.regions: list[Region] = []
         # Enabled contexts of the innermost frame; `primary` is set when there is exactly
         # one (the common case), so the hot path needs no device lookup.
         self.active: tuple[DeviceContext, ...] = ()
         self.primary: DeviceContext | None = None
-        # depths[-1]: a deeper nesting counter means a native region inside our innermost.
+        # regions[-1].depth: a deeper nesting counter means a native region inside our innermost.
         self.native_depth: int = -1
+        # What the kernels read per call, in one read: (primary, native_depth, primary's
+        # native key, device type, dtype and handlers) while there is a primary, else None.
+        self.top: tuple | None = None
         # Whether this thread's dispatch-key state has our key switched on (_dispatch_key),
         # and what torch's "privateuseone" autocast dtype was before we first set it.
         self.key_on: bool = False
