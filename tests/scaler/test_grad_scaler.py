@@ -344,6 +344,38 @@ def test_update_with_new_scale():
     assert scaler.get_scale() == 2.0
 
 
+NEW_SCALE_REFUSED = [
+    (1e9, "max_scale"),
+    (0.5, "min_scale"),
+    (torch.tensor(1e9), "max_scale"),
+    (torch.tensor([0.5]), "min_scale"),
+    (torch.tensor(float("inf")), "float32"),
+    (torch.tensor(float("nan")), "float32"),
+    (torch.tensor(0.0), "float32"),
+    (torch.tensor(-4.0), "float32"),
+    (torch.tensor(1e-40, dtype=torch.float64), "float32"),
+    (torch.tensor(1e39, dtype=torch.float64), "float32"),
+    (float("-inf"), "float32"),
+]
+
+
+@pytest.mark.parametrize("bad, match", NEW_SCALE_REFUSED, ids=lambda v: repr(v) if not isinstance(v, str) else None)
+def test_update_refuses_a_new_scale_init_scale_would_refuse_and_changes_nothing(bad, match):
+    # The same value is refused as init_scale (and by load_state_dict), so update() may not
+    # make it the scale either, float or tensor.
+    model, opt, scaler = fresh(min_scale=1.0, max_scale=2.0**20)
+    scaler.step(opt)
+    before = scaler.state_dict()
+    with pytest.raises(ValueError, match=match):
+        scaler.update(new_scale=bad)
+    with pytest.raises(ValueError):
+        GradScaler("cpu", init_scale=float(bad), min_scale=1.0, max_scale=2.0**20)
+    assert scaler.state_dict() == before
+    # Nothing of the iteration was lost: it still ends normally.
+    scaler.update(new_scale=torch.tensor(32.0))
+    assert scaler.get_scale() == 32.0 and scaler.metrics()["steps"] == before["_steps"] + 1
+
+
 def test_disabled_scaler_passes_through():
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -456,7 +456,12 @@ class GradScaler:
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """End the iteration: back off after an overflow, grow after ``growth_interval`` clean steps.
 
-        ``new_scale`` (a float or a 1-element tensor) sets the scale instead. Never syncs.
+        ``new_scale`` (a float or a 1-element tensor) sets the scale instead. It is checked
+        as ``init_scale`` is: finite, > 0, in float32's normal range and within
+        ``[min_scale, max_scale]``, else ``ValueError`` and the scaler is left as it was
+        (this iteration's flags included, so ``update()`` can be called again). Never
+        syncs, except that a tensor ``new_scale`` is read on the host to be checked: one
+        sync, only in a call that passes one.
 
         Example::
 
@@ -480,10 +485,15 @@ class GradScaler:
                     raise ValueError(f"{reason}; got one that requires grad.")
                 if not new_scale.is_floating_point():
                     raise TypeError(f"{reason}; got dtype {new_scale.dtype}.")
+                # Checked on the host: only a read can refuse it before it becomes the
+                # scale (a device-side check could only clamp or ignore it silently).
+                value = new_scale.detach().reshape(()).item()
             elif is_real(new_scale):
-                check_scale("new_scale", new_scale)
+                value = new_scale
             else:
                 raise TypeError(f"new_scale must be a float or a 1-element tensor, got {type(new_scale).__name__}.")
+            check_scale("new_scale", value)
+            self._config.check_within_bounds("new_scale", float(value))
         _dist.wait_reductions(self._records.values())
         device = state.scale.device
         found_infs = [
