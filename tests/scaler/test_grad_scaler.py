@@ -463,8 +463,8 @@ def test_state_dict_restores_extras_into_a_live_scaler():
 
 
 CORRUPT = [
-    (lambda d: d.pop("scale"), ValueError, "'scale'"),
-    (lambda d: d.pop("_growth_tracker"), ValueError, "'_growth_tracker'"),
+    (lambda d: d.pop("scale"), (ValueError, KeyError), "'scale'"),
+    (lambda d: d.pop("_growth_tracker"), (ValueError, KeyError), "'_growth_tracker'"),
     (lambda d: d.update(scale="64"), TypeError, "'scale'"),
     (lambda d: d.update(scale=True), TypeError, "'scale'"),
     (lambda d: d.update(scale=-1.0), ValueError, "'scale'"),
@@ -483,19 +483,44 @@ CORRUPT = [
     (lambda d: d.update(scale=torch.tensor([8.0, 8.0])), TypeError, "'scale'"),
     (lambda d: d.update(_growth_tracker=torch.tensor(1.5)), TypeError, "_growth_tracker"),
     (lambda d: d.update(scale=torch.tensor(-1.0)), ValueError, "'scale'"),
-    (lambda d: d.clear(), ValueError, "empty"),
+    (lambda d: d.clear(), (ValueError, RuntimeError), "empty"),
 ]
 
 
-@pytest.mark.parametrize("corrupt, error, match", CORRUPT)
-def test_corrupt_state_dict_is_refused_and_changes_nothing(corrupt, error, match):
+@pytest.mark.parametrize("corrupt, errors, match", CORRUPT)
+def test_corrupt_state_dict_is_refused_and_changes_nothing(corrupt, errors, match):
     scaler = stepped_scaler(GradScaler)
     before = scaler.state_dict()
     bad = copy.deepcopy(before)
     corrupt(bad)
-    with pytest.raises(error, match=match):
+    errors = errors if isinstance(errors, tuple) else (errors,)
+    with pytest.raises(errors[0], match=match) as info:
         scaler.load_state_dict(bad)
+    assert all(isinstance(info.value, e) for e in errors)
     assert scaler.state_dict() == before
+
+
+@pytest.mark.parametrize("corrupt", [
+    lambda d: d.clear(),
+    lambda d: d.pop("scale"),
+    lambda d: d.pop("growth_factor"),
+    lambda d: d.pop("_growth_tracker"),
+    lambda d: d.update(scale=torch.tensor([8.0, 8.0])),
+    lambda d: d.update(_growth_tracker=torch.tensor([1, 1])),
+    lambda d: d.update(scale="64"),
+    lambda d: d.update(scale=None),
+], ids=["empty", "no-scale", "no-growth-factor", "no-tracker", "2-elt-scale", "2-elt-tracker", "str-scale", "none-scale"])
+def test_a_refused_load_is_caught_by_what_catches_torchs_error(corrupt):
+    # Code written for torch's scaler catches its error type; ours must be an instance of it
+    # (and stay a ValueError/TypeError, as documented).
+    sd = stepped_scaler(torch.amp.GradScaler).state_dict()
+    corrupt(sd)
+    native = stepped_scaler(torch.amp.GradScaler)  # initialized: fill_ runs, as after a step
+    with pytest.raises(Exception) as theirs:
+        native.load_state_dict(dict(sd))
+    with pytest.raises((ValueError, TypeError)) as ours:
+        stepped_scaler(GradScaler).load_state_dict(dict(sd))
+    assert isinstance(ours.value, theirs.type), (type(ours.value).__mro__, theirs.type)
 
 
 @pytest.mark.parametrize("change", [
