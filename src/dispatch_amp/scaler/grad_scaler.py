@@ -133,6 +133,10 @@ class GradScaler:
         (1024.0, 0)
     """
 
+    # Frames a subclass's __init__ puts between the caller and this one (the deprecated
+    # torch.cuda.amp.GradScaler of patch_torch): the warning below points at the caller.
+    _init_frames = 0
+
     def __init__(
         self,
         device: str = "cuda",
@@ -156,7 +160,7 @@ class GradScaler:
         self._diagnostics = ScalerDiagnostics(history_size, warn_consecutive_skips)
         self._diagnostics.warn_bf16 = bool(warn_bf16)
         if device == "cuda" and enabled and not torch.cuda.is_available():
-            warnings.warn("GradScaler is enabled for 'cuda', but CUDA is not available. Disabling.", stacklevel=2)
+            warnings.warn("GradScaler is enabled for 'cuda', but CUDA is not available. Disabling.", stacklevel=2 + self._init_frames)
             self._enabled = False
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
