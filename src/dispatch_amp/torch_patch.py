@@ -390,7 +390,8 @@ class TorchPatch:
         """Put back every attribute exactly as it was before ``start()``.
 
         Warns (``AmpNumericsWarning``) when nothing ran in mixed precision through the
-        patch: no region entered through the patched autocast names, and no enabled
+        patch: no region entered through the patched autocast names (a region that
+        disabled itself, ``"cuda"`` without CUDA, does not count), and no enabled
         scaler made through the patched names ran ``scale()`` or ``step()``.
 
         Example::
