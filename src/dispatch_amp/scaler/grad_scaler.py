@@ -25,8 +25,8 @@ An optimizer that is still READY when another steps is NOT unscaled early: its g
 may not be final yet (a later backward may add to them), and an early unscale would make
 a later explicit ``unscale_()`` raise. Optimizers with ``_step_supports_amp_scaling``
 (torch's fused Adam/AdamW/SGD) get ``grad_scale`` and ``found_inf`` and never sync;
-``update()`` never syncs; ``get_scale()``, ``state_dict()`` and :attr:`skipped_steps` read
-the device on demand.
+``update()`` never syncs (except to read a tensor ``new_scale``, to check it);
+``get_scale()``, ``state_dict()`` and :attr:`skipped_steps` read the device on demand.
 
 Under torch.distributed with sharded gradients (FSDP2, DTensors) the flags are reduced
 across ranks (``MAX``) asynchronously, and waited for just before the read above, so
