@@ -182,6 +182,9 @@ def _autocast_class(policy: Policy | None, fp8: Recipe | None = None, uses: _Use
     class autocast_with_torch_signature(autocast, metaclass=_TorchsObjectsPass):
         __doc__ = autocast.__doc__
         _replaces = torch.amp.autocast_mode.autocast
+        # Why the region disabled itself, set by _torch_init (here for a copy made without
+        # __init__): None, it did not.
+        _disabled_itself: str | None = None
 
         def __new__(cls, device_type, dtype=None, enabled=True, cache_enabled=None):
             if isinstance(device_type, str) and device_type not in _OUR_DEVICES:
