@@ -1,6 +1,10 @@
 """The demo runs end to end in a few seconds with --steps 3; it prints each run's row as
 the run finishes, keeps what finished when stopped, and says when ours equals native."""
 
+import io
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -21,6 +25,55 @@ def test_demo_runs_with_three_steps(tmp_path, capsys):
         assert f"| {run} |" in out and f"| {run} |" in table
     assert "matmul FLOPs in bfloat16" in out and "matmul FLOPs in bfloat16" in table
     assert (tmp_path / "demo.png").stat().st_size > 0
+
+
+def test_a_log_of_the_output_holds_whole_rows_and_no_bars(tmp_path):
+    # `python -m dispatch_amp.demo > demo.log 2>&1`: a bar's carriage returns on stderr ran
+    # into the rows on stdout, on the same lines. Bars only on a terminal.
+    with open(tmp_path / "demo.log", "w") as log:
+        done = subprocess.run([sys.executable, "-m", "dispatch_amp.demo", *SMALL, "--no-plot",
+                               "--table", str(tmp_path / "demo.md")],
+                              stdout=log, stderr=subprocess.STDOUT, timeout=600)
+    assert done.returncode == 0
+    text = (tmp_path / "demo.log").read_text()
+    assert "\r" not in text and "it/s" not in text
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    assert [row.split(" | ")[0] for row in rows] == ["| run"] + [f"| {run}" for run in demo.RUNS]
+    assert all(row.endswith("|") for row in rows)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_bars_only_on_a_terminal():
+    pytest.importorskip("tqdm")
+    log, terminal = io.StringIO(), _Terminal()
+    assert list(demo._progress_bar(log)(range(3), desc="fp32")) == [0, 1, 2]
+    assert log.getvalue() == ""
+    assert list(demo._progress_bar(terminal)(range(3), desc="fp32")) == [0, 1, 2]
+    assert "fp32" in terminal.getvalue()
+
+
+def test_ms_per_step_leaves_out_the_first_step_and_says_so(tmp_path, capsys):
+    # The first step carries one-time setup (the first region's kernels): with --steps 3
+    # it decided a run's ms/step. The median is over the steps after it.
+    args = demo.build_parser().parse_args(SMALL)
+    text = demo.load_corpus()[:2000]
+    args.alphabet = sorted(set(text))
+    data = torch.tensor([args.alphabet.index(c) for c in text])
+    run = demo._Run("dispatch_amp", data, len(args.alphabet), args, torch.device("cpu"), torch.bfloat16)
+    for step in range(3):
+        run.step(step)
+    run.times = [10.0, 0.001, 0.003]  # a slow first step
+    assert run.finish().step_ms == pytest.approx(2.0)
+
+    assert demo.main(SMALL + _outputs(tmp_path)) == 0
+    note = "ms/step: the median of each run's steps 2 to 3 (step 1 carries one-time setup)."
+    out = capsys.readouterr().out
+    assert "| dispatch_amp |" in out and note in out.split("| dispatch_amp |")[1]
+    assert (tmp_path / "demo.md").read_text().rstrip().endswith(note)
 
 
 def test_demo_float16_uses_the_scaler_and_reports_skips(tmp_path, capsys):

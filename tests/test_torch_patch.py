@@ -435,6 +435,44 @@ def test_a_patched_autocast_on_a_missing_device_warns_at_the_callers_line_as_tor
     assert len([w for w in caught if "CUDA is not available" in str(w.message)]) == 1
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("name", ["torch.cuda.amp.autocast", "torch.cuda.amp.GradScaler"])
+def test_the_deprecated_cuda_names_warn_at_the_callers_line(name):
+    # Their __init__ is one frame more than torch.autocast's / torch.amp.GradScaler's.
+    make = {"torch.cuda.amp.autocast": lambda: torch.cuda.amp.autocast(),
+            "torch.cuda.amp.GradScaler": lambda: torch.cuda.amp.GradScaler()}[name]
+    with warnings.catch_warnings(record=True) as caught, patch_torch():
+        warnings.simplefilter("always")
+        made = make()
+    unavailable = [w for w in caught if "CUDA is not available" in str(w.message)]
+    assert len(unavailable) == 1 and unavailable[0].filename == __file__, [(w.filename, w.lineno) for w in unavailable]
+    assert type(made).__module__ == "dispatch_amp.torch_patch"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("how", ["torch.autocast", "torch.cuda.amp.autocast", "decorator", "fp32-dtype"])
+def test_regions_that_all_disabled_themselves_are_not_regions_that_ran(how):
+    # CUDA names on a machine without CUDA (a recipe written for a GPU) run nothing in
+    # mixed precision: the closing warning must say so, naming why.
+    regions = {
+        "torch.autocast": lambda: torch.autocast("cuda"),
+        "torch.cuda.amp.autocast": lambda: torch.cuda.amp.autocast(),
+        "decorator": lambda: torch.autocast("cuda"),
+        "fp32-dtype": lambda: torch.autocast("cpu", dtype=torch.float32),
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's own "Disabling" warnings
+        with _nothing_ran() as caught, patch_torch():
+            if how == "decorator":
+                regions[how]()(lambda: torch.mm(torch.ones(2, 2), torch.ones(2, 2)))()
+            else:
+                _script(regions[how])
+    [warning] = [w for w in caught if NOTHING_RAN in str(w.message)]
+    message = str(warning.message)
+    assert "disabled by itself" in message and warning.filename == __file__
+    assert ("CUDA is not available" in message) != (how == "fp32-dtype")
+
+
 def test_a_policy_naming_fp8_ops_without_a_recipe_is_refused_up_front():
     policy = amp.Policy.for_device("cpu").with_ops(fp8=["linear"])
     with pytest.raises(ValueError, match="marks \\['aten::linear'\\] as fp8, but no recipe was given"):

@@ -9,9 +9,13 @@ plot to ``demo.png``: loss, our loss minus native's (the word "identical" where 
 difference is zero at every step), and the loss scale when a scaler ran.
 
 Stopped early (Ctrl-C), it writes the table and the plot of the runs that finished and
-exits with status 130. The step time is the median over the steps after the third, on
-``torch.utils.benchmark``'s clock (the accelerator synchronized); ``python -m benchmarks``
-gives the careful, interleaved speed comparison.
+exits with status 130. The step time is the median over each run's steps after the first
+(the first carries one-time setup, such as the first region's kernels and the optimizer's
+state), on ``torch.utils.benchmark``'s clock (the accelerator synchronized); a line under
+the table says so. ``python -m benchmarks`` gives the careful, interleaved speed comparison.
+
+The table's rows go to stdout; the progress bars to stderr, and only when stderr is a
+terminal, so that a log of the output (``> demo.log 2>&1``) holds whole rows.
 
 On CPU the default is bfloat16 without a scaler; ``--dtype float16`` (or a CUDA device)
 adds a GradScaler (torch's for the native run, ours for ours).
@@ -166,7 +170,9 @@ class _Run:
 
     def finish(self) -> RunResult:
         result, times = self.result, self.times
-        warm = times[min(3, len(times) - 1):] if len(times) > 1 else times
+        # The first step carries one-time setup (the first region's kernels, the
+        # optimizer's state): with a few steps it would dominate the median.
+        warm = times[1:] if len(times) > 1 else times
         result.step_ms = statistics.median(warm) * 1e3
         if isinstance(self.scaler, GradScaler):
             result.skipped = self.scaler.skipped_steps
@@ -223,6 +229,19 @@ def _table_row(r: RunResult, fp32_ms: float) -> list[str]:
     final = sum(tail) / len(tail) if tail else math.nan
     return [r.name, f"{r.step_ms:.1f}", f"{fp32_ms / r.step_ms:.2f}x", f"{r.peak_mb:.0f}", f"{final:.3f}",
             str(r.skipped), f"{100 * r.low_precision_share:.1f}%"]
+
+
+def _timing_note(steps: int) -> str:
+    """The line under the table that says what ms/step measures.
+
+    Example::
+
+        >>> _timing_note(150)
+        "ms/step: the median of each run's steps 2 to 150 (step 1 carries one-time setup)."
+    """
+    if steps < 2:
+        return "ms/step: step 1, the only one, one-time setup included (--steps 2 or more leaves it out)."
+    return f"ms/step: the median of each run's steps 2 to {steps} (step 1 carries one-time setup)."
 
 
 def format_table(results: list[RunResult], dtype: torch.dtype) -> str:
@@ -290,7 +309,7 @@ def _plot_demo(results: list[RunResult], path, *, title: str) -> str:
 def _write_outputs(results: list[RunResult], args, dtype: torch.dtype, title: str) -> None:
     """The table and the plot of the finished runs (all of them, or those before a Ctrl-C)."""
     table = Path(args.table)
-    table.write_text(format_table(results, dtype) + "\n")
+    table.write_text(format_table(results, dtype) + "\n\n" + _timing_note(args.steps) + "\n")
     print(f"table written to {table.resolve()}")
     if not args.no_plot:
         try:
@@ -300,12 +319,18 @@ def _write_outputs(results: list[RunResult], args, dtype: torch.dtype, title: st
             print(f"no plot: {error}")
 
 
-def _progress_bar():
+def _progress_bar(stream=None):
+    """Progress bars on ``stream`` (stderr) where it is a terminal; elsewhere none: in a
+    log, a bar's carriage returns would run into the table's rows on the same lines."""
+    stream = sys.stderr if stream is None else stream
+    isatty = getattr(stream, "isatty", None)
+    if not (callable(isatty) and isatty()):
+        return lambda it, desc="": it
     try:
         from tqdm.auto import tqdm
     except ImportError:  # tqdm is a dependency; this only guards odd environments
         return lambda it, desc="": it
-    return lambda it, desc="": tqdm(it, desc=desc, leave=False, file=sys.stderr, dynamic_ncols=True)
+    return lambda it, desc="": tqdm(it, desc=desc, leave=False, file=stream, dynamic_ncols=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -354,9 +379,12 @@ def main(argv: list[str] | None = None) -> int:
         for name in RUNS:
             results.append(_train_run(name, data, vocab, args, device, dtype, progress))
             print(_markdown.row(_table_row(results[-1], results[0].step_ms)), flush=True)
+        print()
+        print(_timing_note(args.steps))
     except KeyboardInterrupt:
         print(f"\nstopped: {len(results)} of {len(RUNS)} runs finished", flush=True)
         if results:
+            print(_timing_note(args.steps))
             _write_outputs(results, args, dtype, title)
         return 130  # the shell's status for a process ended by Ctrl-C (128 + SIGINT)
     print()

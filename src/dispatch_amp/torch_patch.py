@@ -25,7 +25,9 @@ importing the code you want to reach.
 
 A patch that reached nothing says so: when it stops (not by an exception leaving its
 ``with`` block) and, while it was active, no region was entered through the patched
-autocast names (as a context manager or a decorator, enabled or not) and no enabled
+autocast names (as a context manager or a decorator, enabled or switched off by the
+caller's ``enabled=False``; a region that disabled itself, ``"cuda"`` on a machine without
+CUDA or an unsupported dtype, ran nothing and does not count) and no enabled
 GradScaler made through the patched names ran ``scale()`` or ``step()``, it warns
 (``AmpNumericsWarning``): nothing ran in mixed precision. Code that picks its own context
 (``contextlib.nullcontext()`` on CPU, say) or bound ``torch.autocast`` earlier is the
@@ -78,11 +80,15 @@ class _Uses:
     where a lock would break the graph.
     """
 
-    __slots__ = ("regions", "scalers")
+    __slots__ = ("regions", "scalers", "disabled")
 
     def __init__(self) -> None:
+        # Regions entered that ran (enabled, or switched off by the caller's enabled=False).
         self.regions = 0
         self.scalers: weakref.WeakSet = weakref.WeakSet()
+        # Why the last region entered that disabled itself did so (no CUDA for "cuda", an
+        # unsupported dtype); such a region ran nothing in mixed precision and is not counted.
+        self.disabled: str | None = None
 
     def reached_anything(self) -> bool:
         # A scaler's scale tensor exists from its first scale() on. A disabled scaler's
@@ -151,6 +157,7 @@ def _device_scaler_class(device_type: str) -> type:
 
     class device_scaler(GradScaler):
         _replaces = _torch_class(getattr(torch, device_type, None), "GradScaler", GradScaler._replaces)
+        _init_frames = 1  # this __init__: the scaler's warnings point at the caller's line
 
         def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
                      growth_interval=2000, enabled=True):
@@ -175,6 +182,9 @@ def _autocast_class(policy: Policy | None, fp8: Recipe | None = None, uses: _Use
     class autocast_with_torch_signature(autocast, metaclass=_TorchsObjectsPass):
         __doc__ = autocast.__doc__
         _replaces = torch.amp.autocast_mode.autocast
+        # Why the region disabled itself, set by _torch_init (here for a copy made without
+        # __init__): None, it did not.
+        _disabled_itself: str | None = None
 
         def __new__(cls, device_type, dtype=None, enabled=True, cache_enabled=None):
             if isinstance(device_type, str) and device_type not in _OUR_DEVICES:
@@ -185,6 +195,15 @@ def _autocast_class(policy: Policy | None, fp8: Recipe | None = None, uses: _Use
             return super().__new__(cls)
 
         def __init__(self, device_type, dtype=None, enabled=True, cache_enabled=None):
+            self._torch_init(device_type, dtype, enabled, cache_enabled, stacklevel=3)
+
+        def _torch_init(self, device_type, dtype, enabled, cache_enabled, stacklevel):
+            # ``stacklevel``: the caller's frame as seen from here, so that the warnings
+            # point at the user's line through torch.autocast and torch.cuda.amp.autocast
+            # alike (the latter's __init__ is one frame more).
+            # Why the region disabled itself (None: it did not): such a region is not one
+            # that ran, for the patch's closing check.
+            self._disabled_itself = None
             if dtype is not None and dtype not in _LOW_DTYPES and enabled:
                 # torch's own reaction to an unsupported dtype: warn, then run disabled
                 # (torch still reports that dtype inside the region).
@@ -193,16 +212,18 @@ def _autocast_class(policy: Policy | None, fp8: Recipe | None = None, uses: _Use
                     f"In {name} autocast, but the target dtype is not supported. Disabling "
                     f"autocast.\n{name} Autocast only supports dtypes of "
                     f"{', '.join(map(str, _LOW_DTYPES[::-1]))} currently.",
-                    stacklevel=2,
+                    stacklevel=stacklevel,
                 )
                 enabled = False
+                self._disabled_itself = f"dtype {dtype} is not an autocast dtype"
             elif enabled and device_type in _OUR_DEVICES:
                 # The base class would warn from its own __init__, pointing at this frame:
-                # warn here, one frame closer, so the warning points at the user's line.
+                # warn here, so the warning points at the user's line.
                 reason = _usable(device_type, torch.get_autocast_dtype(device_type) if dtype is None else dtype)
                 if reason is not None:
-                    warnings.warn(reason, stacklevel=2)
+                    warnings.warn(reason, stacklevel=stacklevel)
                     enabled = False
+                    self._disabled_itself = reason
             super().__init__(
                 device_type,
                 dtype,
@@ -213,7 +234,10 @@ def _autocast_class(policy: Policy | None, fp8: Recipe | None = None, uses: _Use
             )
 
         def __enter__(self):
-            uses.regions += 1
+            if self._disabled_itself is None:
+                uses.regions += 1
+            else:
+                uses.disabled = self._disabled_itself
             return super().__enter__()
 
         def __call__(self, func):
@@ -234,7 +258,10 @@ def _autocast_class(policy: Policy | None, fp8: Recipe | None = None, uses: _Use
 
             @functools.wraps(func)
             def counted(*args, **kwargs):
-                uses.regions += 1
+                if self._disabled_itself is None:
+                    uses.regions += 1
+                else:
+                    uses.disabled = self._disabled_itself
                 return in_region(*args, **kwargs)
 
             return counted
@@ -257,7 +284,9 @@ def _device_autocast_class(base: type, device_type: str, default_dtype: torch.dt
             return super().__new__(cls, device_type)
 
         def __init__(self, enabled=True, dtype=default_dtype, cache_enabled=True):
-            super().__init__(device_type, dtype, enabled, cache_enabled)
+            # Not through the base's __init__: one frame fewer, so its warnings point at
+            # the caller's line (stacklevel 3: _torch_init, this, the caller).
+            self._torch_init(device_type, dtype, enabled, cache_enabled, stacklevel=3)
 
     device_autocast.__name__ = device_autocast.__qualname__ = f"{device_type}_autocast"
     return device_autocast
@@ -364,7 +393,8 @@ class TorchPatch:
         """Put back every attribute exactly as it was before ``start()``.
 
         Warns (``AmpNumericsWarning``) when nothing ran in mixed precision through the
-        patch: no region entered through the patched autocast names, and no enabled
+        patch: no region entered through the patched autocast names (a region that
+        disabled itself, ``"cuda"`` without CUDA, does not count), and no enabled
         scaler made through the patched names ran ``scale()`` or ``step()``.
 
         Example::
@@ -394,7 +424,16 @@ class TorchPatch:
         uses = self._uses
         # With an exception on its way out the user has a bigger problem than this one,
         # and the run may have ended before its first forward.
-        if not propagating and not uses.reached_anything():
+        if not propagating and not uses.reached_anything() and uses.disabled is not None:
+            warnings.warn(
+                "patch_torch() stopped with every torch.autocast region entered under it disabled "
+                f"by itself ({uses.disabled}) and no enabled torch.amp.GradScaler stepped: nothing "
+                "ran in mixed precision. Name a device this machine has (torch.autocast('cpu') "
+                "where there is no GPU) and a float16/bfloat16 dtype.",
+                AmpNumericsWarning,
+                stacklevel=3,
+            )
+        elif not propagating and not uses.reached_anything():
             warnings.warn(
                 "patch_torch() stopped without any torch.autocast region entered or any enabled "
                 "torch.amp.GradScaler stepped under it: nothing ran in mixed precision. The code "

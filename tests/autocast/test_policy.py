@@ -84,6 +84,31 @@ def test_typo_fails_loudly():
         Policy({op_tables.LOWER: "mm"})
 
 
+@pytest.mark.parametrize("kind, op, functional", [
+    ("fp32", "aten::mm.out", "'aten::mm'"),
+    ("fp32", "mm.dtype_out", "'aten::mm'"),
+    ("fp32", torch.ops.aten.mm.out, "'aten::mm'"),
+    ("lower", "aten::add_", "'aten::add'"),
+    ("lower", torch.ops.aten.add_, "'aten::add'"),
+    ("lower", "aten::add_.Tensor", "'aten::add'"),
+    ("lower", "aten::add.out", "'aten::add'"),
+    ("promote", "aten::_foreach_add_", "'aten::_foreach_add'"),
+    ("fp32_unless_dtype", "aten::sum.IntList_out", "'aten::sum'"),
+], ids=str)
+def test_an_out_or_in_place_op_is_refused_naming_the_functional_one(kind, op, functional):
+    # Out= and in-place overloads are never cast: a rule on one only would be kept and
+    # never apply (and a rule on mm.out replaced mm's rule, silently running mm as given).
+    base = Policy.for_device("cpu")
+    with pytest.raises(ValueError, match=rf"out= or in-place.*never apply.*{functional}"):
+        base.with_ops(**{kind: [op]})
+    with pytest.raises(ValueError, match="never apply"):
+        Policy({kind: [op]})
+    assert base.kind_of("mm") == op_tables.LOWER
+    # The functional op and its functional overloads are taken.
+    assert base.with_ops(fp32=["mm.default"]).kind_of("mm") == op_tables.FP32
+    assert base.with_ops(lower=["add"]).kind_of("add.Tensor") == op_tables.LOWER
+
+
 def test_duplicate_registration_is_rejected():
     with pytest.raises(ValueError, match="aten::mm is registered twice"):
         Policy({op_tables.LOWER: ["mm"], op_tables.FP32: ["aten::mm"]})

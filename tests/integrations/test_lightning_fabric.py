@@ -92,6 +92,28 @@ def test_resume_continues_bit_identically_with_the_scale_kept(tmp_path, same, so
     assert same(list(tail_model.parameters()), list(model.parameters()))
 
 
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_a_fabric_made_inside_a_framework_is_reached_by_patch_torch(same, precision):
+    # Frameworks that call Fabric(...) in their own setup (litgpt) cannot import ours:
+    # docs/integrations.md sends them to patch_torch(), started before their Fabric is
+    # made. Its plugin's scaler and every forward's autocast are then ours, and it trains
+    # as our plugin does.
+    inf_step = 2 if precision == "16-mixed" else None
+    fabric, model, opt = _setup(_ours(precision))
+    ours = _train(fabric, model, opt, 4, inf_step=inf_step)
+    with amp.patch_torch():
+        fabric, patched_model, opt = _setup(_stock(precision))   # Lightning's own plugin
+        assert type(fabric.strategy.precision.forward_context()).__module__ == "dispatch_amp.torch_patch"
+        patched = _train(fabric, patched_model, opt, 4, inf_step=inf_step)
+    scaler = fabric.strategy.precision.scaler
+    assert (scaler is None) == (precision == "bf16-mixed")
+    if scaler is not None:
+        assert isinstance(scaler, amp.GradScaler) and scaler.skipped_steps == 1
+    assert patched[2] == ours[2]
+    assert same(patched[0], ours[0]) and same(patched[1], ours[1])
+    assert same(list(patched_model.parameters()), list(model.parameters()))
+
+
 def test_fabric_autocast_is_ours_with_the_policy():
     policy = amp.Policy.for_device("cpu").with_ops(fp32=["linear", "addmm", "mm"])
     fabric = Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision("bf16-mixed", "cpu", policy=policy)])

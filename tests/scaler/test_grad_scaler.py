@@ -344,6 +344,38 @@ def test_update_with_new_scale():
     assert scaler.get_scale() == 2.0
 
 
+NEW_SCALE_REFUSED = [
+    (1e9, "max_scale"),
+    (0.5, "min_scale"),
+    (torch.tensor(1e9), "max_scale"),
+    (torch.tensor([0.5]), "min_scale"),
+    (torch.tensor(float("inf")), "float32"),
+    (torch.tensor(float("nan")), "float32"),
+    (torch.tensor(0.0), "float32"),
+    (torch.tensor(-4.0), "float32"),
+    (torch.tensor(1e-40, dtype=torch.float64), "float32"),
+    (torch.tensor(1e39, dtype=torch.float64), "float32"),
+    (float("-inf"), "float32"),
+]
+
+
+@pytest.mark.parametrize("bad, match", NEW_SCALE_REFUSED, ids=lambda v: repr(v) if not isinstance(v, str) else None)
+def test_update_refuses_a_new_scale_init_scale_would_refuse_and_changes_nothing(bad, match):
+    # The same value is refused as init_scale (and by load_state_dict), so update() may not
+    # make it the scale either, float or tensor.
+    model, opt, scaler = fresh(min_scale=1.0, max_scale=2.0**20)
+    scaler.step(opt)
+    before = scaler.state_dict()
+    with pytest.raises(ValueError, match=match):
+        scaler.update(new_scale=bad)
+    with pytest.raises(ValueError):
+        GradScaler("cpu", init_scale=float(bad), min_scale=1.0, max_scale=2.0**20)
+    assert scaler.state_dict() == before
+    # Nothing of the iteration was lost: it still ends normally.
+    scaler.update(new_scale=torch.tensor(32.0))
+    assert scaler.get_scale() == 32.0 and scaler.metrics()["steps"] == before["_steps"] + 1
+
+
 def test_disabled_scaler_passes_through():
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -431,8 +463,8 @@ def test_state_dict_restores_extras_into_a_live_scaler():
 
 
 CORRUPT = [
-    (lambda d: d.pop("scale"), ValueError, "'scale'"),
-    (lambda d: d.pop("_growth_tracker"), ValueError, "'_growth_tracker'"),
+    (lambda d: d.pop("scale"), (ValueError, KeyError), "'scale'"),
+    (lambda d: d.pop("_growth_tracker"), (ValueError, KeyError), "'_growth_tracker'"),
     (lambda d: d.update(scale="64"), TypeError, "'scale'"),
     (lambda d: d.update(scale=True), TypeError, "'scale'"),
     (lambda d: d.update(scale=-1.0), ValueError, "'scale'"),
@@ -451,19 +483,44 @@ CORRUPT = [
     (lambda d: d.update(scale=torch.tensor([8.0, 8.0])), TypeError, "'scale'"),
     (lambda d: d.update(_growth_tracker=torch.tensor(1.5)), TypeError, "_growth_tracker"),
     (lambda d: d.update(scale=torch.tensor(-1.0)), ValueError, "'scale'"),
-    (lambda d: d.clear(), ValueError, "empty"),
+    (lambda d: d.clear(), (ValueError, RuntimeError), "empty"),
 ]
 
 
-@pytest.mark.parametrize("corrupt, error, match", CORRUPT)
-def test_corrupt_state_dict_is_refused_and_changes_nothing(corrupt, error, match):
+@pytest.mark.parametrize("corrupt, errors, match", CORRUPT)
+def test_corrupt_state_dict_is_refused_and_changes_nothing(corrupt, errors, match):
     scaler = stepped_scaler(GradScaler)
     before = scaler.state_dict()
     bad = copy.deepcopy(before)
     corrupt(bad)
-    with pytest.raises(error, match=match):
+    errors = errors if isinstance(errors, tuple) else (errors,)
+    with pytest.raises(errors[0], match=match) as info:
         scaler.load_state_dict(bad)
+    assert all(isinstance(info.value, e) for e in errors)
     assert scaler.state_dict() == before
+
+
+@pytest.mark.parametrize("corrupt", [
+    lambda d: d.clear(),
+    lambda d: d.pop("scale"),
+    lambda d: d.pop("growth_factor"),
+    lambda d: d.pop("_growth_tracker"),
+    lambda d: d.update(scale=torch.tensor([8.0, 8.0])),
+    lambda d: d.update(_growth_tracker=torch.tensor([1, 1])),
+    lambda d: d.update(scale="64"),
+    lambda d: d.update(scale=None),
+], ids=["empty", "no-scale", "no-growth-factor", "no-tracker", "2-elt-scale", "2-elt-tracker", "str-scale", "none-scale"])
+def test_a_refused_load_is_caught_by_what_catches_torchs_error(corrupt):
+    # Code written for torch's scaler catches its error type; ours must be an instance of it
+    # (and stay a ValueError/TypeError, as documented).
+    sd = stepped_scaler(torch.amp.GradScaler).state_dict()
+    corrupt(sd)
+    native = stepped_scaler(torch.amp.GradScaler)  # initialized: fill_ runs, as after a step
+    with pytest.raises(Exception) as theirs:
+        native.load_state_dict(dict(sd))
+    with pytest.raises((ValueError, TypeError)) as ours:
+        stepped_scaler(GradScaler).load_state_dict(dict(sd))
+    assert isinstance(ours.value, theirs.type), (type(ours.value).__mro__, theirs.type)
 
 
 @pytest.mark.parametrize("change", [

@@ -3,7 +3,9 @@
 A policy maps aten ops (``OpOverloadPacket`` names such as ``"aten::mm"``, or custom ops
 registered with ``torch.library``) to a cast kind; see ``op_tables.py`` for the kinds and
 for the two built-in tables. Every name is resolved against ``torch.ops`` when the policy
-is built, so a typo raises at once instead of silently never casting.
+is built, so a typo raises at once instead of silently never casting; so does a name
+no rule could ever apply to (an ``out=`` or in-place overload, or an op that has only
+those: autocast never casts them).
 
 Example::
 
@@ -84,6 +86,57 @@ def castable_overloads(name: str) -> list[OpOverload]:
     return [op for op in (getattr(packet, o) for o in packet.overloads()) if castable(op)]
 
 
+def _functional_name(name: str) -> str | None:
+    """The op a rule for ``name`` (an op whose overloads are all out= or in-place) should
+    name instead: ``aten::add`` for ``aten::add_``; None if there is none."""
+    namespace, _, op_name = name.partition("::")
+    for suffix in ("_", "_out"):
+        if op_name.endswith(suffix):
+            candidate = f"{namespace}::{op_name[: -len(suffix)]}"
+            try:
+                if castable_overloads(candidate):
+                    return candidate
+            except (AttributeError, RuntimeError):
+                pass
+    return None
+
+
+def _refuse_uncastable(name: str, overload: str | None) -> None:
+    """Raise ``ValueError`` if a rule on ``name`` (or on its ``overload``) could never
+    apply: out= and in-place overloads are never cast (native autocast casts neither), so
+    a rule naming only those would be kept and silently do nothing."""
+    if (name, overload) in _CASTABLE_SEEN:
+        return
+    _check_castable(name, overload)
+    # A name that passed keeps passing (an op gains overloads, never loses them; one that
+    # is gone fails in _resolve first): policies are rebuilt by every with_ops().
+    _CASTABLE_SEEN.add((name, overload))
+
+
+_CASTABLE_SEEN: set[tuple[str, str | None]] = set()
+
+
+def _check_castable(name: str, overload: str | None) -> None:
+    never = "autocast never casts out= or in-place overloads (native autocast neither), so the rule would never apply"
+    if overload is not None:
+        namespace, _, op_name = name.partition("::")
+        op = getattr(getattr(getattr(torch.ops, namespace), op_name), overload)
+        if castable(op):
+            return
+        form = "an out=" if overload == "out" or overload.endswith("_out") else "an in-place"
+        functional = name if castable_overloads(name) else _functional_name(name)
+        fix = f"name the functional op {functional!r}" if functional else "name the op's functional form"
+        raise ValueError(f"{name}.{overload} is {form} overload: {never}; {fix} instead.")
+    if castable_overloads(name):
+        return
+    functional = _functional_name(name)
+    fix = f"name the functional op {functional!r}" if functional else "name the op's functional form"
+    raise ValueError(
+        f"{name} has only out= and in-place overloads (each writes to an argument): {never}; "
+        f"{fix} instead."
+    )
+
+
 def _cast_kind(kind) -> CastKind:
     """The ``CastKind`` member for a kind given as a member or as its string."""
     try:
@@ -107,6 +160,7 @@ def _rules_from_table(table: Mapping[str, Iterable[OpLike]]) -> tuple[dict[str, 
             raise TypeError(f"the ops of kind {kind!r} must be a list of ops, not a single op")
         for op in ops:
             name, overload = _resolve(op)
+            _refuse_uncastable(name, overload)
             if name in rules and (rules[name] is not kind or overload is None or name in whole):
                 raise ValueError(
                     f"{name} is registered twice, as {rules[name]!r} and as {kind!r}: "

@@ -20,12 +20,57 @@ import torch
 
 from ..kernels.scale_update import round_to_float32
 
-__all__ = ["ScalerConfig", "LoadedState", "parse_state_dict", "as_number", "check_scale", "usable_scale", "FP32_TINY"]
+__all__ = [
+    "ScalerConfig", "LoadedState", "parse_state_dict", "as_number", "check_scale", "usable_scale", "FP32_TINY",
+    "EmptyStateDictError", "MissingStateKeyError", "StateTensorShapeError",
+]
 
 # The smallest normal float32: below it a scale is subnormal or rounds to 0, and 1/scale
 # overflows to inf or unscales gradients to nan.
 FP32_TINY = torch.finfo(torch.float32).tiny
 _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
+
+# The errors of a refused load where torch's scaler raises another built-in type: each is
+# a subclass of both, so code written for torch's (``except RuntimeError``/``KeyError``)
+# still catches ours, and code written for ours (``except ValueError``/``TypeError``) too.
+
+
+class EmptyStateDictError(ValueError, RuntimeError):
+    """``load_state_dict({})``: torch's scaler raises ``RuntimeError`` there, ours this
+    subclass of both ``ValueError`` and ``RuntimeError``.
+
+    Example::
+
+        >>> issubclass(EmptyStateDictError, RuntimeError), issubclass(EmptyStateDictError, ValueError)
+        (True, True)
+    """
+
+
+class MissingStateKeyError(ValueError, KeyError):
+    """A state dict without one of torch's keys: torch's scaler raises ``KeyError`` there,
+    ours this subclass of both ``ValueError`` and ``KeyError``.
+
+    Example::
+
+        >>> str(MissingStateKeyError("state_dict is missing the key 'scale'."))
+        "state_dict is missing the key 'scale'."
+    """
+
+    # KeyError's str() is the repr of its argument; this one is a sentence.
+    __str__ = ValueError.__str__
+
+
+class StateTensorShapeError(TypeError, RuntimeError):
+    """A tensor of more than one element where a number is loaded: torch's scaler raises
+    ``RuntimeError`` from ``fill_`` there, ours this subclass of both ``TypeError`` and
+    ``RuntimeError``.
+
+    Example::
+
+        >>> issubclass(StateTensorShapeError, RuntimeError), issubclass(StateTensorShapeError, TypeError)
+        (True, True)
+    """
 
 
 def is_real(x: Any) -> bool:
@@ -167,7 +212,10 @@ def parse_state_dict(state_dict, current: ScalerConfig) -> LoadedState:
     """Read and validate a scaler ``state_dict()`` (ours or ``torch.amp.GradScaler``'s).
 
     Our keys that torch's dict lacks keep ``current``'s configuration (hysteresis, bounds)
-    and start their trackers fresh. Raises ``TypeError``/``ValueError`` naming the key.
+    and start their trackers fresh. Raises ``TypeError``/``ValueError`` naming the key;
+    where torch's scaler raises another type for the same dict (an empty dict, a missing
+    key, a tensor of several elements), the error is a subclass of both (see
+    :class:`EmptyStateDictError`).
 
     Example::
 
@@ -178,13 +226,24 @@ def parse_state_dict(state_dict, current: ScalerConfig) -> LoadedState:
     if not isinstance(state_dict, abc.Mapping):
         raise TypeError(f"load_state_dict() expects a dict, got {type(state_dict).__name__}.")
     if len(state_dict) == 0:
-        raise ValueError("The state dict is empty, possibly because it was saved from a disabled GradScaler.")
+        raise EmptyStateDictError(
+            "The state dict is empty, possibly because it was saved from a disabled GradScaler "
+            "(its state_dict() is {}): load the state dict of an enabled one."
+        )
     for key in _TORCH_KEYS:
         if key not in state_dict:
-            raise ValueError(f"state_dict is missing the key {key!r}.")
+            raise MissingStateKeyError(f"state_dict is missing the key {key!r}.")
+
+    def tensor_shape(key, v):
+        if isinstance(v, torch.Tensor):
+            raise StateTensorShapeError(
+                f"state_dict[{key!r}] must be a number or a 0-d real tensor, got a tensor of "
+                f"shape {tuple(v.shape)} and dtype {v.dtype}."
+            )
 
     def real(key):
         v = _number(state_dict[key])
+        tensor_shape(key, v)
         if not is_real(v):
             raise TypeError(f"state_dict[{key!r}] must be a number, got {type(v).__name__}.")
         return float(v)
@@ -195,6 +254,7 @@ def parse_state_dict(state_dict, current: ScalerConfig) -> LoadedState:
         # integral float is taken as the int it is, any other float refused here.
         if is_real(v) and not is_int(v) and float(v).is_integer():
             v = int(v)
+        tensor_shape(key, v)
         if not is_int(v):
             raise TypeError(f"state_dict[{key!r}] must be an int, got {type(v).__name__} {v!r}.")
         if not low <= v <= high:

@@ -25,8 +25,8 @@ An optimizer that is still READY when another steps is NOT unscaled early: its g
 may not be final yet (a later backward may add to them), and an early unscale would make
 a later explicit ``unscale_()`` raise. Optimizers with ``_step_supports_amp_scaling``
 (torch's fused Adam/AdamW/SGD) get ``grad_scale`` and ``found_inf`` and never sync;
-``update()`` never syncs; ``get_scale()``, ``state_dict()`` and :attr:`skipped_steps` read
-the device on demand.
+``update()`` never syncs (except to read a tensor ``new_scale``, to check it);
+``get_scale()``, ``state_dict()`` and :attr:`skipped_steps` read the device on demand.
 
 Under torch.distributed with sharded gradients (FSDP2, DTensors) the flags are reduced
 across ranks (``MAX``) asynchronously, and waited for just before the read above, so
@@ -133,6 +133,10 @@ class GradScaler:
         (1024.0, 0)
     """
 
+    # Frames a subclass's __init__ puts between the caller and this one (the deprecated
+    # torch.cuda.amp.GradScaler of patch_torch): the warning below points at the caller.
+    _init_frames = 0
+
     def __init__(
         self,
         device: str = "cuda",
@@ -156,7 +160,7 @@ class GradScaler:
         self._diagnostics = ScalerDiagnostics(history_size, warn_consecutive_skips)
         self._diagnostics.warn_bf16 = bool(warn_bf16)
         if device == "cuda" and enabled and not torch.cuda.is_available():
-            warnings.warn("GradScaler is enabled for 'cuda', but CUDA is not available. Disabling.", stacklevel=2)
+            warnings.warn("GradScaler is enabled for 'cuda', but CUDA is not available. Disabling.", stacklevel=2 + self._init_frames)
             self._enabled = False
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
@@ -456,7 +460,12 @@ class GradScaler:
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """End the iteration: back off after an overflow, grow after ``growth_interval`` clean steps.
 
-        ``new_scale`` (a float or a 1-element tensor) sets the scale instead. Never syncs.
+        ``new_scale`` (a float or a 1-element tensor) sets the scale instead. It is checked
+        as ``init_scale`` is: finite, > 0, in float32's normal range and within
+        ``[min_scale, max_scale]``, else ``ValueError`` and the scaler is left as it was
+        (this iteration's flags included, so ``update()`` can be called again). Never
+        syncs, except that a tensor ``new_scale`` is read on the host to be checked: one
+        sync, only in a call that passes one.
 
         Example::
 
@@ -480,10 +489,15 @@ class GradScaler:
                     raise ValueError(f"{reason}; got one that requires grad.")
                 if not new_scale.is_floating_point():
                     raise TypeError(f"{reason}; got dtype {new_scale.dtype}.")
+                # Checked on the host: only a read can refuse it before it becomes the
+                # scale (a device-side check could only clamp or ignore it silently).
+                value = new_scale.detach().reshape(()).item()
             elif is_real(new_scale):
-                check_scale("new_scale", new_scale)
+                value = new_scale
             else:
                 raise TypeError(f"new_scale must be a float or a 1-element tensor, got {type(new_scale).__name__}.")
+            check_scale("new_scale", value)
+            self._config.check_within_bounds("new_scale", float(value))
         _dist.wait_reductions(self._records.values())
         device = state.scale.device
         found_infs = [
