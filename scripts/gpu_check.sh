@@ -170,7 +170,7 @@ fi
 
 # -- dispatch_amp importable from this checkout ----------------------------------------------
 # Prints nothing; exit 1 unless dispatch_amp and dispatch_amp.kernels are this checkout's
-# src/dispatch_amp and kernels/.
+# src/dispatch_amp and src/dispatch_amp/kernels.
 resolves_here() {
     (cd "$tmp" && "$py" - "$repo" <<'PY'
 import os, sys
@@ -179,7 +179,7 @@ try:
     import dispatch_amp, dispatch_amp.kernels
 except Exception:
     sys.exit(1)
-want = {os.path.join(repo, "src", "dispatch_amp"), os.path.join(repo, "kernels")}
+want = {os.path.join(repo, "src", "dispatch_amp"), os.path.join(repo, "src", "dispatch_amp", "kernels")}
 got = {os.path.dirname(os.path.realpath(m.__file__)) for m in (dispatch_amp, dispatch_amp.kernels)}
 sys.exit(0 if got == want else 1)
 PY
@@ -192,14 +192,13 @@ if resolves_here; then
 elif "$py" -m pip install --no-deps --no-build-isolation --no-index -q -e . >"$logs/pip-e.log" 2>&1 && resolves_here; then
     how="pip install --no-deps --no-build-isolation --no-index -e ."
 else
-    # A symlink tree: <tmp>/site/dispatch_amp holds links to src/dispatch_amp's entries,
-    # and kernels -> the top-level kernels/ (what pyproject.toml's package-dir says).
+    # A symlink tree: <tmp>/site/dispatch_amp holds links to src/dispatch_amp's entries
+    # (its kernels subpackage among them).
     site=$tmp/site
     mkdir -p "$site/dispatch_amp"
     for entry in "$repo"/src/dispatch_amp/*; do
         ln -s "$entry" "$site/dispatch_amp/$(basename "$entry")"
     done
-    ln -sfn "$repo/kernels" "$site/dispatch_amp/kernels"
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
     if resolves_here; then
         how="symlink tree on PYTHONPATH (pip -e did not work: $(tail -n 1 "$logs/pip-e.log" 2>/dev/null | cut -c1-160))"

@@ -8,6 +8,7 @@ means a framework failed to install or import; with ``CI`` set it is turned into
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -39,6 +40,23 @@ def pytest_runtest_makereport(item, call):
 def pytest_make_collect_report(collector):
     outcome = yield
     _fail_skip_in_ci(outcome.get_result(), collector.path)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """accelerate keeps one process-wide ``AcceleratorState``: the first ``Accelerator``
+    (transformers' Trainer makes one) fixes its mixed precision for the process, and a
+    later one asking for another raises. Each test here starts and ends without one, so
+    no test (nor the docs' examples run after these) depends on which ran before it."""
+    _reset_accelerate_state()
+    yield
+    _reset_accelerate_state()
+
+
+def _reset_accelerate_state() -> None:
+    state = sys.modules.get("accelerate.state")  # never imported here for tests without it
+    if state is not None:
+        state.AcceleratorState._reset_state(True)
 
 
 def _same(a, b) -> bool:
