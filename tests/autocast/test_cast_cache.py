@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -205,3 +208,67 @@ def test_a_weight_frozen_after_its_cast_is_cast_again_as_native_casts_it(region)
         second = torch.nn.functional.linear(x, w)
     assert first.requires_grad and not second.requires_grad
     torch.testing.assert_close(first.detach(), second, rtol=0, atol=0)
+
+
+# -- torch's test_cache_disabled, on CPU ---------------------------------------------
+class _CastsToBf16(TorchDispatchMode):
+    """torch's WeightDTypeCastCounterMode on CPU: counts the weight's bfloat16 casts with
+    torch.clear_autocast_cache replaced by a no-op, so that the forward's casts would
+    serve a backward run after the region."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.weight, self.count = weight, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and args[0] is self.weight and kwargs.get("dtype") is torch.bfloat16:
+            self.count += 1
+        return func(*args, **kwargs)
+
+    def __enter__(self):
+        self._patch = mock.patch("torch.clear_autocast_cache", lambda: None)
+        self._patch.start()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self._patch.stop()
+        return super().__exit__(*exc)
+
+
+def _custom_linear(region):
+    class CustomLinear(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w_t):
+            ctx.save_for_backward(x, w_t)
+            return F.linear(x, w_t)
+
+        @staticmethod
+        def backward(ctx, grad_output):
+            x, w_t = ctx.saved_tensors
+            with region("cpu"):
+                dx = torch.matmul(grad_output, w_t)
+                dw = torch.matmul(x.transpose(0, 1), grad_output).transpose(0, 1)
+            return dx, dw
+
+    return CustomLinear
+
+
+@pytest.mark.parametrize("region", [amp.autocast, torch.autocast], ids=["ours", "native"])
+def test_cache_disabled_for_a_tensor_torch_keeps_itself(region):
+    # torch's test_cache_disabled (test/test_cuda.py), forced onto CPU: a tensor registered
+    # with torch._C._add_cached_tensor is never cached, so a backward that re-enters
+    # autocast casts the weight again although the forward's cast cache was kept.
+    data, weight = torch.randn(2, 3), nn.Parameter(torch.randn(4, 3))
+    linear = _custom_linear(region)
+    try:
+        torch._C._set_cached_tensors_enabled(True)
+        torch._C._add_cached_tensor(weight)
+        with _CastsToBf16(weight) as mode:
+            with region("cpu"):
+                s = linear.apply(data, weight).sum()
+            s.backward()
+        assert mode.count == 2
+    finally:
+        torch._C._remove_cached_tensor(weight)
+        torch._C._set_cached_tensors_enabled(False)
