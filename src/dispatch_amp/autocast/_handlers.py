@@ -39,8 +39,9 @@ _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _float32 = torch.float32
 _float64 = torch.float64
-_CACHE = _cast_cache.CACHE
-_entries = _CACHE.entries  # cleared in place, never replaced
+_region_entries = _cast_cache.REGION.entries  # cleared in place, never replaced
+_scope_store = _cast_cache.SCOPE.get  # the open cast_cache's store, or None
+_STEPS = _cast_cache.STEPS
 _cache_on = torch.is_autocast_cache_enabled
 _inference_mode_on = torch.is_inference_mode_enabled
 _ExcludeKeys = torch._C._ExcludeDispatchKeyGuard
@@ -88,6 +89,7 @@ def lower(ctx, st, op, keyset, args, kwargs):
     if kwargs and _LAST_FIRST:  # keyword-only arguments come last in the schema
         kwargs = map_kwargs(kwargs, dtype, ctx, st)
     cast = None
+    entries = None  # the weight casts this call may use, read at its first weight
     n = len(args)
     for i in ORDERS[n] if n < 64 else arg_order(n):  # native's order (_casting.arg_order)
         a = args[i]
@@ -98,16 +100,33 @@ def lower(ctx, st, op, keyset, args, kwargs):
                 continue
             if a.is_leaf:
                 # A weight's cast made earlier in the region (or kept by cast_cache):
-                # _cast_cache.lookup's test, inlined (an eval loop under cast_cache is
-                # mostly these); anything else goes through cast_one's rules.
-                hit = _entries.get((id(a), dtype))
-                if hit is not None and hit[0] is a and hit[1] == a._version and a.requires_grad:
+                # _cast_cache._fresh's test, inlined (an eval loop under cast_cache is
+                # mostly these); anything else goes through cast_one's rules. The entry
+                # holds the weight (so its id is not reused) and the storage it was cast
+                # from (so `is` tells that storage from any other). Entries are read by
+                # index: _cast_cache.WEIGHT ... CAST (1 dtype, 2 version, 3 storage,
+                # 4 address, 5 shape, 6 strides, 7 generation, 8 the cast).
+                if entries is None:  # once per call (a linear has two weights)
+                    store = _scope_store()
+                    # {} when torch's cache flag is off or inference mode is on: no hits.
+                    entries = (
+                        (_region_entries if store is None else store.entries)
+                        if _cache_on() and not _inference_mode_on() else {}
+                    )
+                hit = entries.get(id(a))
+                if (
+                    hit is not None and hit[1] is dtype and hit[2] == a._version and a_dtype is _float32
+                    and a.requires_grad
+                ):
                     try:
-                        where = a.data_ptr()
-                    except RuntimeError:
-                        where = None
-                    if hit[2] == where and hit[3] == _CACHE.generation and _cache_on() and not _inference_mode_on():
-                        b = hit[5]
+                        same = a.untyped_storage() is hit[3]
+                    except RuntimeError:  # no storage of its own (torch.func's wrappers)
+                        same = False
+                    if (
+                        same and hit[4] == a.data_ptr() and hit[5] == a.shape
+                        and hit[6] == a.stride() and hit[7] == _STEPS.generation
+                    ):
+                        b = hit[8]
                     else:
                         b = cast_one(a, dtype, ctx, st)
                 else:
