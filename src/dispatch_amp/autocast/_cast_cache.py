@@ -60,12 +60,12 @@ WEIGHT, DTYPE, VERSION, STORAGE, ADDRESS, SHAPE, STRIDE, GENERATION, CAST = rang
 class _Store:
     """One cache: the process's per-region cache, or one ``cast_cache`` scope's."""
 
-    def __init__(self, is_open: bool = True):
+    def __init__(self):
         self.entries: dict = {}  # id(weight) -> entry (see WEIGHT...CAST)
         self.max_bytes: int | None = None
         self.nbytes = 0  # the casts' bytes, counted only while max_bytes is set
         self.depth = 0  # cast_cache scopes nested on this store
-        self.open = is_open
+        self.open = True  # a scope's store closes with its outermost scope
 
     def clear(self) -> None:
         self.entries.clear()
