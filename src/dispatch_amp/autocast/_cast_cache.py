@@ -46,14 +46,17 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import _torch_compat
 
-__all__ = ["cast_cache", "keeps_casts", "lookup", "region_closed", "clear"]
+__all__ = ["cast_cache", "keeps_casts", "lookup", "insert", "region_closed", "clear"]
 
 _grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = _torch_compat.set_grad_enabled
 _float32 = torch.float32
 
-# An entry, keyed by id(weight): a tuple, read by index on the engine's hot path
-# (_handlers.lower inlines _fresh's test).
+# An entry, keyed by id(weight): a list, read by index on the engine's hot path
+# (_handlers.lower inlines _fresh's test). SHAPE and STRIDE are None until the entry's
+# first use when the weight was contiguous: they are then its cast's (a cast of a
+# contiguous tensor has its shape and strides), read once rather than at every cast (a
+# training forward's casts are mostly never used again).
 WEIGHT, DTYPE, VERSION, STORAGE, ADDRESS, SHAPE, STRIDE, GENERATION, CAST = range(9)
 
 
@@ -125,10 +128,12 @@ def _fresh(hit, t: torch.Tensor, dtype: torch.dtype) -> bool:
         same_storage = t.untyped_storage() is hit[STORAGE]
     except RuntimeError:  # no storage of its own (torch.func's wrappers, fake tensors)
         return False
-    return (
-        same_storage and hit[ADDRESS] == t.data_ptr() and hit[SHAPE] == t.shape
-        and hit[STRIDE] == t.stride() and hit[GENERATION] == STEPS.generation
-    )
+    if not (same_storage and hit[ADDRESS] == t.data_ptr() and hit[GENERATION] == STEPS.generation):
+        return False
+    if hit[SHAPE] is None:  # first use: the weight was contiguous, so its cast tells
+        cast = hit[CAST]
+        hit[SHAPE], hit[STRIDE] = cast.shape, cast.stride()
+    return t.shape == hit[SHAPE] and t.stride() == hit[STRIDE]
 
 
 def lookup(t: torch.Tensor, dtype: torch.dtype, to):
@@ -136,12 +141,23 @@ def lookup(t: torch.Tensor, dtype: torch.dtype, to):
     is stale). The cast is made with grad mode on, as native makes it, so one cached cast
     serves no_grad and grad mode alike."""
     store = SCOPE.get()
-    if store is None or not store.open:
+    if store is None:
+        store = REGION
+    elif not store.open:
         store = _store()
-    key = id(t)
-    hit = store.entries.get(key)
+    hit = store.entries.get(id(t))
     if hit is not None and _fresh(hit, t, dtype):
         return hit[CAST]
+    return insert(store, t, dtype, to, hit)
+
+
+def insert(store: _Store, t: torch.Tensor, dtype: torch.dtype, to, hit=None):
+    """Casts ``t`` to ``dtype`` (with ``to``) and keeps the cast in ``store`` (the one
+    ``SCOPE`` gives, or ``REGION``), replacing ``hit``, its stale entry. The engine's
+    ``lower`` calls it for a weight it found no fresh entry for."""
+    if not store.open:  # a scope closed from another context since the caller read it
+        store = _store()
+        hit = store.entries.get(id(t))
     # Read before the cast: what the cast is made from.
     version, generation = t._version, STEPS.generation
     try:
@@ -158,6 +174,7 @@ def lookup(t: torch.Tensor, dtype: torch.dtype, to):
             out = to(t) if to is not None else t.to(dtype)
         finally:
             _set_grad_enabled(False)
+    key = id(t)
     bounded = store.max_bytes is not None
     if hit is not None:
         if bounded:
@@ -165,7 +182,10 @@ def lookup(t: torch.Tensor, dtype: torch.dtype, to):
         store.entries.pop(key, None)
     if storage is None:  # nothing to check a later use against: not kept
         return out
-    store.entries[key] = (t, dtype, version, storage, where, t.shape, t.stride(), generation, out)
+    if t.is_contiguous():  # shape and strides: the cast's, read at the first use
+        store.entries[key] = [t, dtype, version, storage, where, None, None, generation, out]
+    else:
+        store.entries[key] = [t, dtype, version, storage, where, t.shape, t.stride(), generation, out]
     if bounded:
         store.nbytes += out.nbytes
         if store.nbytes > store.max_bytes:

@@ -39,9 +39,13 @@ _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _float32 = torch.float32
 _float64 = torch.float64
-_region_entries = _cast_cache.REGION.entries  # cleared in place, never replaced
 _scope_store = _cast_cache.SCOPE.get  # the open cast_cache's store, or None
 _STEPS = _cast_cache.STEPS
+_REGION = _cast_cache.REGION
+_insert = _cast_cache.insert
+_no_entries: dict = {}  # what a call sees while torch's cache flag is off: never written
+_is_view = _torch_compat.tensor_is_view
+_is_cached_tensor = _torch_compat.is_cached_tensor
 _cache_on = torch.is_autocast_cache_enabled
 _inference_mode_on = torch.is_inference_mode_enabled
 _ExcludeKeys = torch._C._ExcludeDispatchKeyGuard
@@ -101,18 +105,20 @@ def lower(ctx, st, op, keyset, args, kwargs):
             if a.is_leaf:
                 # A weight's cast made earlier in the region (or kept by cast_cache):
                 # _cast_cache._fresh's test, inlined (an eval loop under cast_cache is
-                # mostly these); anything else goes through cast_one's rules. The entry
+                # mostly these); a weight without one: cast_one's caching rule, inlined
+                # (every weight of a training forward); any other leaf: cast_one. The entry
                 # holds the weight (so its id is not reused) and the storage it was cast
                 # from (so `is` tells that storage from any other). Entries are read by
                 # index: _cast_cache.WEIGHT ... CAST (1 dtype, 2 version, 3 storage,
-                # 4 address, 5 shape, 6 strides, 7 generation, 8 the cast).
+                # 4 address, 5 shape and 6 strides (None until the first use, then the
+                # cast's), 7 generation, 8 the cast).
                 if entries is None:  # once per call (a linear has two weights)
                     store = _scope_store()
-                    # {} when torch's cache flag is off or inference mode is on: no hits.
-                    entries = (
-                        (_region_entries if store is None else store.entries)
-                        if _cache_on() and not _inference_mode_on() else {}
-                    )
+                    if store is None:
+                        store = _REGION
+                    # No entry is used or made while torch's cache flag is off or
+                    # inference mode is on (cast_one's rule).
+                    entries = store.entries if _cache_on() and not _inference_mode_on() else _no_entries
                 hit = entries.get(id(a))
                 if (
                     hit is not None and hit[1] is dtype and hit[2] == a._version and a_dtype is _float32
@@ -122,13 +128,26 @@ def lower(ctx, st, op, keyset, args, kwargs):
                         same = a.untyped_storage() is hit[3]
                     except RuntimeError:  # no storage of its own (torch.func's wrappers)
                         same = False
-                    if (
-                        same and hit[4] == a.data_ptr() and hit[5] == a.shape
-                        and hit[6] == a.stride() and hit[7] == _STEPS.generation
-                    ):
-                        b = hit[8]
-                    else:
+                    if same and hit[4] == a.data_ptr() and hit[7] == _STEPS.generation:
+                        shape = hit[5]
+                        if shape is None:  # its first use: the weight's were its cast's
+                            cast_of = hit[8]
+                            shape = hit[5] = cast_of.shape
+                            hit[6] = cast_of.stride()
+                        if shape == a.shape and hit[6] == a.stride():
+                            b = hit[8]
+                        else:  # a slice, reshape or transpose of the same storage
+                            b = cast_one(a, dtype, ctx, st)
+                    else:  # other data, or an optimizer step, since: cast_one tests it all
                         b = cast_one(a, dtype, ctx, st)
+                elif (
+                    # A weight seen first in this region (or scope): cast_one's caching
+                    # rule, inlined, the tests lower has made already left out.
+                    a_dtype is _float32 and a.requires_grad and entries is not _no_entries
+                    and (cls is _Parameter or cls is _Tensor) and ctx.on_device(a) and not _is_view(a)
+                    and not a.is_inference() and not _is_cached_tensor(a)
+                ):
+                    b = _insert(store, a, dtype, CAST_METHODS.get(dtype), hit)
                 else:
                     b = cast_one(a, dtype, ctx, st)
             elif a_dtype is _float64 or not a.is_floating_point() or not ctx.on_device(a):
