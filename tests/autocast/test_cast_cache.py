@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import sys
 import threading
 import weakref
 from unittest import mock
@@ -335,6 +336,7 @@ def test_a_cast_cache_open_in_another_thread_leaves_this_threads_regions_native(
         thread.join()
 
 
+@pytest.mark.skipif(bool(getattr(sys.flags, "thread_inherit_context", 0)), reason="threads inherit the context here")
 def test_a_thread_started_inside_cast_cache_is_not_in_it():
     errors = []
 
