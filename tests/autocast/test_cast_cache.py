@@ -317,11 +317,9 @@ def _plain_regions_across_data_writes(steps: int = 4) -> None:
 
 def test_a_cast_cache_open_in_another_thread_leaves_this_threads_regions_native():
     opened, done = threading.Event(), threading.Event()
-    seen = []
 
     def serving():
         with amp.cast_cache():
-            seen.append(_cast_cache.keeps_casts())
             opened.set()
             done.wait(timeout=120)
 
@@ -329,7 +327,6 @@ def test_a_cast_cache_open_in_another_thread_leaves_this_threads_regions_native(
     thread.start()
     try:
         assert opened.wait(timeout=120)
-        assert seen == [True] and not _cast_cache.keeps_casts()
         _plain_regions_across_data_writes()
     finally:
         done.set()
@@ -342,7 +339,6 @@ def test_a_thread_started_inside_cast_cache_is_not_in_it():
 
     def worker():
         try:
-            assert not _cast_cache.keeps_casts()
             _plain_regions_across_data_writes()
         except BaseException as e:  # reported in the main thread
             errors.append(e)
@@ -365,7 +361,6 @@ def test_a_cast_cache_open_in_one_asyncio_task_leaves_another_tasks_regions_nati
         task = asyncio.create_task(holder(opened, done))
         await opened.wait()
         try:
-            assert not _cast_cache.keeps_casts()
             _plain_regions_across_data_writes()
         finally:
             done.set()
@@ -376,12 +371,18 @@ def test_a_cast_cache_open_in_one_asyncio_task_leaves_another_tasks_regions_nati
 
 def test_keeps_casts_says_whether_a_scope_is_open_here():
     assert not _cast_cache.keeps_casts()
+    elsewhere = []
     with amp.cast_cache():
         assert _cast_cache.keeps_casts()
         with amp.cast_cache():
             assert _cast_cache.keeps_casts()
         assert _cast_cache.keeps_casts()
+        thread = threading.Thread(target=lambda: elsewhere.append(_cast_cache.keeps_casts()))
+        thread.start()
+        thread.join()
     assert not _cast_cache.keeps_casts()
+    if not getattr(sys.flags, "thread_inherit_context", 0):
+        assert elsewhere == [False]  # another thread: not in this scope
 
 
 # -- dropping the scope's casts --------------------------------------------------------
