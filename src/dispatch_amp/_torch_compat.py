@@ -22,6 +22,7 @@ What each is for:
 - ``_top_saved_tensors_default_hooks`` and ``torch.utils.checkpoint.CheckpointFunction``:
   telling whether torch's checkpoint is running, to refuse it under a custom policy;
 - ``Tensor._is_view``: native's weight-cast cache skips views, and so does ours;
+  ``_is_cached_tensor``: it skips the tensors CUDA graph trees keep, and so does ours;
 - ``_set_grad_enabled``: a weight's cast is made with grad mode on, as native makes it,
   without ``torch.enable_grad``'s context-manager object (``autocast/_cast_cache.py``);
 - ``_DisableAutocast`` and ``_ExcludeDispatchKeyGuard``: the set of every autocast key
@@ -71,6 +72,7 @@ reentrant_checkpoint_function = _lookup(
     torch.utils.checkpoint, "torch.utils.checkpoint", "CheckpointFunction"
 )
 tensor_is_view = _lookup(torch.Tensor, "torch.Tensor", "_is_view")
+is_cached_tensor = _lookup(torch._C, "torch._C", "_is_cached_tensor")
 set_grad_enabled = _lookup(torch._C, "torch._C", "_set_grad_enabled")
 dispatch_key_excluded = _lookup(torch._C, "torch._C", "_dispatch_tls_is_dispatch_key_excluded")
 dispatch_key_included = _lookup(torch._C, "torch._C", "_dispatch_tls_is_dispatch_key_included")

@@ -465,8 +465,8 @@ def test_cache_is_dropped_at_exit_and_not_shared_across_grad_modes():
             lin(x)
         # the cast made under no_grad has no history: the next op must get a fresh one
         lin(x).float().sum().backward()
-        assert _cast_cache.CACHE.entries
-    assert not _cast_cache.CACHE.entries
+        assert _cast_cache.REGION.entries
+    assert not _cast_cache.REGION.entries
     assert lin.weight.grad is not None
 
 

@@ -465,22 +465,22 @@ def test_cache_lives_for_the_outermost_region_as_natives():
     x = torch.randn(2, 8)
     with ours():
         lin(x)
-        assert _cast_cache.CACHE.entries
+        assert _cast_cache.REGION.entries
         with native(enabled=False):
             pass
-        assert _cast_cache.CACHE.entries  # a nested region's exit does not clear it
-    assert not _cast_cache.CACHE.entries
+        assert _cast_cache.REGION.entries  # a nested region's exit does not clear it
+    assert not _cast_cache.REGION.entries
     with ours():
         lin(x)
         torch.clear_autocast_cache()
-        assert _cast_cache.CACHE.entries  # torch's function cannot reach ours
+        assert _cast_cache.REGION.entries  # torch's function cannot reach ours
         amp.clear_autocast_cache()
-        assert not _cast_cache.CACHE.entries
+        assert not _cast_cache.REGION.entries
         lin.weight.data.mul_(2)  # invisible to the version counter
         torch.testing.assert_close(lin(x).float(), x @ lin.weight.t() + lin.bias, atol=0.1, rtol=0.02)
     with ours(cache_enabled=False):
         lin(x)
-        assert not _cast_cache.CACHE.entries
+        assert not _cast_cache.REGION.entries
 
 
 # -- 7. threads -----------------------------------------------------------------------

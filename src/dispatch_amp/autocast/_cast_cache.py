@@ -3,29 +3,42 @@
 Native autocast caches the lower-precision cast of each float32 leaf that requires grad
 (a weight) for the rest of the outermost region, in one cache for the whole process, and
 drops it when a thread's outermost region closes. Ours does the same by default
-(``lookup``/``region_closed``), with two checks native lacks: an entry is used only while
-the weight's version counter (any in-place change: an optimizer step, ``copy_``,
-``load_state_dict``) and its storage (a ``.data =`` assignment) are those it was cast
-from. Native drops its cache by calling ``torch.clear_autocast_cache``; where that function
-has been replaced (torch's tests of its global cache replace it to keep the casts for a
-backward run after the region), ours is kept too.
+(``REGION``, ``lookup``/``region_closed``): one cache for the process, so a backward that
+torch runs on its own device threads (CUDA) and that re-enters autocast finds the
+forward's casts there as native's does; native drops its cache by calling
+``torch.clear_autocast_cache``, and where that function has been replaced (torch's tests
+of its global cache replace it to keep the casts for a backward run after the region),
+ours is kept too.
+
+An entry is used only while its weight is what it was cast from, as far as anything
+short of reading the values can tell (``_fresh``): the same version counter (any
+in-place change through the weight: an optimizer step, ``copy_``, ``load_state_dict``),
+the same storage object (held by the entry, so that its memory cannot be freed and
+handed to a new tensor behind the check), the same address within it (offset), shape,
+strides and dtype (a ``.data =`` assignment of a slice, reshape or transpose of the same
+storage, or of new storage), and no optimizer step since (a global step hook, registered
+while a ``cast_cache`` is open anywhere). An entry also holds the weight itself, so that
+its ``id`` cannot be reused.
 
 Native re-casts every weight in each region, so each micro-batch of gradient accumulation
 and each forward of an eval loop casts them all again. Inside ``cast_cache()`` the casts
-are kept across the regions opened in it, and dropped when it closes, when any
-optimizer steps (a global step hook, registered while a ``cast_cache`` is open) and,
-per entry, when the weight changes as above.
+are kept across the regions opened in it, in a store of the scope's own, and dropped when
+it closes. The scope belongs to the context that opened it (a ``contextvars`` variable):
+its thread, or its asyncio task and the tasks that task starts; other threads' regions,
+torch's autograd device threads included, keep native's per-region lifetime.
 
-Why it is a scope and not the default: a write through ``.data`` (``p.data.copy_(...)``,
-``p.data.add_(...)``, common in hand-written optimizers, EMA and target-network updates)
-changes a weight without touching its version counter or its storage, so no check can
-see it; native's per-region cache sees it at the next region, a cache kept across regions
-would not. So keeping casts is asked for where the code between regions is known:
-an accumulation loop, an eval loop.
+Why it is a scope and not the default: some writes change a weight's values while
+keeping every property above: a write in place through ``.data`` (``p.data.copy_(...)``,
+``p.data -= lr * p.grad``, common in hand-written optimizers, EMA and target-network
+updates), fused optimizer kernels called directly (``torch._fused_adam_``) and
+collectives writing into the weight (``dist.broadcast``). Native's per-region cache sees
+them at the next region, a cache kept across regions cannot. So keeping casts is asked
+for where the code between regions is known: an accumulation loop, an eval loop.
 """
 
 from __future__ import annotations
 
+import contextvars
 import threading
 
 import torch
@@ -33,46 +46,124 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import _torch_compat
 
-__all__ = ["cast_cache", "lookup", "region_closed", "clear"]
+__all__ = ["cast_cache", "keeps_casts", "lookup", "insert", "region_closed", "clear"]
 
 _grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = _torch_compat.set_grad_enabled
+_float32 = torch.float32
+
+# An entry, keyed by id(weight): a list, read by index on the engine's hot path
+# (_handlers.lower inlines _fresh's test). SHAPE and STRIDE are None until the entry's
+# first use when the weight was contiguous: they are then its cast's (a cast of a
+# contiguous tensor has its shape and strides), read once rather than at every cast (a
+# training forward's casts are mostly never used again).
+WEIGHT, DTYPE, VERSION, STORAGE, ADDRESS, SHAPE, STRIDE, GENERATION, CAST = range(9)
 
 
-class _Cache:
+class _Store:
+    """One cache: the process's per-region cache, or one ``cast_cache`` scope's."""
+
     def __init__(self):
-        # (id(src), dtype) -> (src, src._version, src.data_ptr(), generation, nbytes, cast)
-        self.entries: dict = {}
-        # Bumped by every optimizer step while a cast_cache is open: older entries are stale.
+        self.entries: dict = {}  # id(weight) -> entry (see WEIGHT...CAST)
+        self.max_bytes: int | None = None
+        self.nbytes = 0  # the casts' bytes, counted only while max_bytes is set
+        self.depth = 0  # cast_cache scopes nested on this store
+        self.open = True  # a scope's store closes with its outermost scope
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.nbytes = 0
+
+
+class _Steps:
+    """Optimizer steps, counted while a ``cast_cache`` is open anywhere: an entry made
+    before the latest step is stale."""
+
+    def __init__(self):
         self.generation = 0
         self.scopes = 0  # open cast_cache scopes, every thread
-        self.max_bytes: int | None = None
-        self.nbytes = 0
         self.hook = None
         self.lock = threading.Lock()
 
 
-CACHE = _Cache()
+# The per-region cache: one for the process, as native's (see the module docstring).
+# Its dict is cleared in place, never replaced (the engine's hot path holds it).
+REGION = _Store()
+# The store of the cast_cache scope open in this context, or None.
+SCOPE: contextvars.ContextVar = contextvars.ContextVar("dispatch_amp_cast_cache", default=None)
+STEPS = _Steps()
+
+
+def keeps_casts() -> bool:
+    """Whether a ``cast_cache`` scope is open in this context (this thread, or this
+    asyncio task): casts of weights made here may outlive the region they are made in.
+
+    Example::
+
+        with amp.cast_cache():
+            assert keeps_casts()
+        assert not keeps_casts()
+    """
+    store = SCOPE.get()
+    return store is not None and store.open
+
+
+def _store() -> _Store:
+    """The store lookups of this context use."""
+    store = SCOPE.get()
+    if store is None:
+        return REGION
+    if not store.open:  # closed from another context (a generator finished elsewhere)
+        SCOPE.set(None)
+        return REGION
+    return store
+
+
+def _fresh(hit, t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the entry ``hit`` still holds the cast of ``t`` to ``dtype``. The engine's
+    ``lower`` writes the same test out inline."""
+    if hit[DTYPE] is not dtype or hit[VERSION] != t._version or t.dtype is not _float32:
+        return False
+    try:
+        same_storage = t.untyped_storage() is hit[STORAGE]
+    except RuntimeError:  # no storage of its own (torch.func's wrappers, fake tensors)
+        return False
+    if not (same_storage and hit[ADDRESS] == t.data_ptr() and hit[GENERATION] == STEPS.generation):
+        return False
+    if hit[SHAPE] is None:  # first use: the weight was contiguous, so its cast tells
+        cast = hit[CAST]
+        hit[SHAPE], hit[STRIDE] = cast.shape, cast.stride()
+    return t.shape == hit[SHAPE] and t.stride() == hit[STRIDE]
 
 
 def lookup(t: torch.Tensor, dtype: torch.dtype, to):
     """The cached cast of ``t`` to ``dtype`` (made now with ``to`` if there is none or it
     is stale). The cast is made with grad mode on, as native makes it, so one cached cast
-    serves no_grad and grad mode alike.
+    serves no_grad and grad mode alike."""
+    store = SCOPE.get()
+    if store is None:
+        store = REGION
+    elif not store.open:
+        store = _store()
+    hit = store.entries.get(id(t))
+    if hit is not None and _fresh(hit, t, dtype):
+        return hit[CAST]
+    return insert(store, t, dtype, to, hit)
 
-    The engine calls it for every weight argument of every matmul and convolution, so the
-    checks are written out here rather than in helpers (a Python call costs as much as
-    two of them)."""
-    cache = CACHE
-    key = (id(t), dtype)
-    hit = cache.entries.get(key)
+
+def insert(store: _Store, t: torch.Tensor, dtype: torch.dtype, to, hit=None):
+    """Casts ``t`` to ``dtype`` (with ``to``) and keeps the cast in ``store`` (the one
+    ``SCOPE`` gives, or ``REGION``), replacing ``hit``, its stale entry. The engine's
+    ``lower`` calls it for a weight it found no fresh entry for."""
+    if not store.open:  # a scope closed from another context since the caller read it
+        store = _store()
+        hit = store.entries.get(id(t))
+    # Read before the cast: what the cast is made from.
+    version, generation = t._version, STEPS.generation
     try:
-        where = t.data_ptr()
-    except RuntimeError:  # no storage of its own (torch.func's wrappers, fake tensors)
-        where = None
-    version = t._version
-    if hit is not None and hit[0] is t and hit[1] == version and hit[2] == where and hit[3] == cache.generation:
-        return hit[5]
+        storage, where = t.untyped_storage(), t.data_ptr()
+    except RuntimeError:
+        storage = None
     if _grad_enabled():  # the common case
         out = to(t) if to is not None else t.to(dtype)
     else:
@@ -83,63 +174,86 @@ def lookup(t: torch.Tensor, dtype: torch.dtype, to):
             out = to(t) if to is not None else t.to(dtype)
         finally:
             _set_grad_enabled(False)
-    nbytes = out.nbytes
+    key = id(t)
+    bounded = store.max_bytes is not None
     if hit is not None:
-        cache.nbytes -= hit[4]
-    cache.entries[key] = (t, version, where, cache.generation, nbytes, out)
-    cache.nbytes += nbytes
-    if cache.max_bytes is not None and cache.nbytes > cache.max_bytes:
-        _evict_oldest(cache, keep=key)
+        if bounded:
+            store.nbytes -= hit[CAST].nbytes
+        store.entries.pop(key, None)
+    if storage is None:  # nothing to check a later use against: not kept
+        return out
+    if t.is_contiguous():  # shape and strides: the cast's, read at the first use
+        store.entries[key] = [t, dtype, version, storage, where, None, None, generation, out]
+    else:
+        store.entries[key] = [t, dtype, version, storage, where, t.shape, t.stride(), generation, out]
+    if bounded:
+        store.nbytes += out.nbytes
+        if store.nbytes > store.max_bytes:
+            _evict_oldest(store, keep=key)
     return out
 
 
-def _evict_oldest(cache: _Cache, keep) -> None:
-    for key in list(cache.entries):
-        if cache.nbytes <= cache.max_bytes:
+def _evict_oldest(store: _Store, keep) -> None:
+    for key in list(store.entries):
+        if store.nbytes <= store.max_bytes:
             return
         if key != keep:
-            cache.nbytes -= cache.entries.pop(key)[4]
+            entry = store.entries.pop(key, None)
+            if entry is not None:
+                store.nbytes -= entry[CAST].nbytes
 
 
 def clear() -> None:
-    """Drops every cached cast."""
-    CACHE.entries.clear()
-    CACHE.nbytes = 0
+    """Drops the cached casts this context can use: the per-region cache's (every
+    thread's, as ``torch.clear_autocast_cache`` drops native's) and those of the
+    ``cast_cache`` open here."""
+    REGION.clear()
+    store = SCOPE.get()
+    if store is not None:
+        store.clear()
 
 
 def region_closed() -> None:
-    """A thread's outermost region closed: native drops its casts here, and so do we,
-    unless a ``cast_cache`` keeps them."""
-    if CACHE.scopes == 0:
-        clear()
+    """A thread's outermost region closed: native drops its casts here, and so do we.
+    A ``cast_cache``'s casts are in its own store, which stays."""
+    REGION.clear()
 
 
 def _optimizer_stepped(optimizer, args, kwargs) -> None:
-    CACHE.generation += 1
+    STEPS.generation += 1
 
 
 class cast_cache:
-    """Keeps weight casts across the autocast regions opened inside it.
+    """Keeps weight casts across the autocast regions opened inside it, in this thread
+    (or this asyncio task).
 
     Inside, the lower-precision cast of each weight (a float32 leaf that requires grad)
     made in one region serves the next ones too, until the weight changes in place (its
-    version counter), gets new storage (``.data =``), an optimizer steps, or the scope
-    closes. Use it around a gradient-accumulation loop or an eval loop: native autocast
-    casts every weight again in each region. The results are the same bits (a cast is
-    deterministic). Memory: the casts of the weights used inside are held until the scope
-    closes (``max_bytes`` bounds it; the oldest casts are dropped first).
+    version counter), is given other data (``.data =`` new storage, or a slice, reshape
+    or transpose of its own), an optimizer steps, or the scope closes. Use it around a
+    gradient-accumulation loop or an eval loop: native autocast casts every weight again
+    in each region. The results are the same bits (a cast is deterministic). Other
+    threads' regions keep native's per-region lifetime.
 
-    A weight changed through ``.data`` (``p.data.copy_(...)``) is invisible to these
-    checks: call ``dispatch_amp.clear_autocast_cache()`` after such a change, or keep the
-    change outside the scope.
+    Memory: the casts of the weights used inside are held until the scope closes
+    (``max_bytes`` bounds it; the oldest casts are dropped first), and each cast holds its
+    weight (through its ``grad_fn``): a model deleted inside the scope is freed when the
+    scope closes or ``clear()`` is called.
+
+    Writes no check can see: in place through ``.data`` (``p.data.copy_(...)``,
+    ``p.data -= ...``), fused optimizer kernels called directly (``torch._fused_adam_``),
+    collectives writing into a weight (``dist.broadcast``). After one, call ``clear()``
+    (or ``dispatch_amp.clear_autocast_cache()``), or keep the write outside the scope.
 
     Example::
 
-        with amp.cast_cache():
+        with amp.cast_cache() as casts:
             for x, y in micro_batches:                 # 4 micro-batches, one cast each
                 with amp.autocast("cuda"):
                     loss = loss_fn(model(x), y) / 4
                 scaler.scale(loss).backward()
+            ema.data.mul_(0.99).add_(0.01 * model.weight.data)   # invisible to the checks
+            casts.clear()                              # so drop the kept casts
         scaler.step(optimizer)
         scaler.update()
     """
@@ -148,28 +262,60 @@ class cast_cache:
         if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0):
             raise ValueError(f"max_bytes must be a non-negative int or None, got {max_bytes!r}")
         self.max_bytes = max_bytes
-        self._saved_max: list = []
+        # (store, max_bytes before this entry) per entry of this object, innermost last.
+        self._entered: list = []
 
     def __enter__(self) -> cast_cache:
-        cache = CACHE
-        with cache.lock:
-            if cache.scopes == 0:
-                cache.hook = register_optimizer_step_post_hook(_optimizer_stepped)
-            cache.scopes += 1
-            self._saved_max.append(cache.max_bytes)
-            if self.max_bytes is not None:
-                cache.max_bytes = self.max_bytes if cache.max_bytes is None else min(cache.max_bytes, self.max_bytes)
+        store = SCOPE.get()
+        if store is None or not store.open:
+            store = _Store()
+            SCOPE.set(store)
+        self._entered.append((store, store.max_bytes))
+        store.depth += 1
+        if self.max_bytes is not None:
+            if store.max_bytes is None:  # from now on counted: what it holds already
+                store.nbytes = sum(entry[CAST].nbytes for entry in store.entries.values())
+            store.max_bytes = self.max_bytes if store.max_bytes is None else min(store.max_bytes, self.max_bytes)
+            if store.nbytes > store.max_bytes:
+                _evict_oldest(store, keep=None)
+        with STEPS.lock:
+            if STEPS.scopes == 0:
+                STEPS.hook = register_optimizer_step_post_hook(_optimizer_stepped)
+            STEPS.scopes += 1
         return self
 
     def __exit__(self, *exc) -> None:
-        cache = CACHE
-        with cache.lock:
-            cache.max_bytes = self._saved_max.pop()
-            cache.scopes -= 1
-            if cache.scopes == 0:
-                cache.hook.remove()
-                cache.hook = None
-                clear()
+        store, saved_max = self._entered.pop()
+        store.max_bytes = saved_max
+        store.depth -= 1
+        if store.depth == 0:
+            store.open = False
+            store.clear()
+            if SCOPE.get() is store:
+                SCOPE.set(None)
+        with STEPS.lock:
+            STEPS.scopes -= 1
+            if STEPS.scopes == 0:
+                STEPS.hook.remove()
+                STEPS.hook = None
+
+    def clear(self) -> None:
+        """Drops the casts this scope keeps (the next region casts each weight again):
+        after a write the checks cannot see, or to free the memory early.
+
+        Example::
+
+            with amp.cast_cache() as casts:
+                ...
+                target.weight.data.copy_(online.weight.data)   # a write through .data
+                casts.clear()
+        """
+        if not self._entered:
+            raise RuntimeError(
+                "this cast_cache is not open: call clear() inside its `with` block "
+                "(dispatch_amp.clear_autocast_cache() drops the casts of any region)"
+            )
+        self._entered[-1][0].clear()
 
 
 _torch_compat.keep_out_of_dynamo(globals(), __name__)

@@ -30,6 +30,7 @@ _float64 = torch.float64
 _inference_mode_on = torch.is_inference_mode_enabled
 _cache_on = torch.is_autocast_cache_enabled
 _is_view = _torch_compat.tensor_is_view
+_is_cached_tensor = _torch_compat.is_cached_tensor
 _LAST_FIRST = _torch_compat.CASTS_LAST_ARGUMENT_FIRST
 
 
@@ -92,6 +93,8 @@ def cast_one(t: _Tensor, dtype: torch.dtype, ctx, st):
     # one: neither is cached (native does not reuse those either). Only plain tensors:
     # while torch.compile traces, the arguments are fake or functional tensors (and
     # make_fx switches torch's cache flag off, which is read here as native reads it).
+    # Nor a tensor torch keeps itself (CUDA graph trees register the tensors their
+    # graphs own with torch._C._add_cached_tensor; native's cache leaves them out too).
     if (
         t.requires_grad
         and t.is_leaf
@@ -102,6 +105,7 @@ def cast_one(t: _Tensor, dtype: torch.dtype, ctx, st):
         and not t.is_inference()
         and not _inference_mode_on()
         and _cache_on()
+        and not _is_cached_tensor(t)
     ):
         return _cast_cache.lookup(t, dtype, to)
     return to(t) if to is not None else t.to(dtype)

@@ -39,8 +39,13 @@ _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _float32 = torch.float32
 _float64 = torch.float64
-_CACHE = _cast_cache.CACHE
-_entries = _CACHE.entries  # cleared in place, never replaced
+_scope_store = _cast_cache.SCOPE.get  # the open cast_cache's store, or None
+_STEPS = _cast_cache.STEPS
+_REGION = _cast_cache.REGION
+_insert = _cast_cache.insert
+_no_entries: dict = {}  # what a call sees while torch's cache flag is off: never written
+_is_view = _torch_compat.tensor_is_view
+_is_cached_tensor = _torch_compat.is_cached_tensor
 _cache_on = torch.is_autocast_cache_enabled
 _inference_mode_on = torch.is_inference_mode_enabled
 _ExcludeKeys = torch._C._ExcludeDispatchKeyGuard
@@ -88,6 +93,7 @@ def lower(ctx, st, op, keyset, args, kwargs):
     if kwargs and _LAST_FIRST:  # keyword-only arguments come last in the schema
         kwargs = map_kwargs(kwargs, dtype, ctx, st)
     cast = None
+    entries = None  # the weight casts this call may use, read at its first weight
     n = len(args)
     for i in ORDERS[n] if n < 64 else arg_order(n):  # native's order (_casting.arg_order)
         a = args[i]
@@ -98,18 +104,50 @@ def lower(ctx, st, op, keyset, args, kwargs):
                 continue
             if a.is_leaf:
                 # A weight's cast made earlier in the region (or kept by cast_cache):
-                # _cast_cache.lookup's test, inlined (an eval loop under cast_cache is
-                # mostly these); anything else goes through cast_one's rules.
-                hit = _entries.get((id(a), dtype))
-                if hit is not None and hit[0] is a and hit[1] == a._version and a.requires_grad:
+                # _cast_cache._fresh's test, inlined (an eval loop under cast_cache is
+                # mostly these); a weight without one: cast_one's caching rule, inlined
+                # (every weight of a training forward); any other leaf: cast_one. The entry
+                # holds the weight (so its id is not reused) and the storage it was cast
+                # from (so `is` tells that storage from any other). Entries are read by
+                # index: _cast_cache.WEIGHT ... CAST (1 dtype, 2 version, 3 storage,
+                # 4 address, 5 shape and 6 strides (None until the first use, then the
+                # cast's), 7 generation, 8 the cast).
+                if entries is None:  # once per call (a linear has two weights)
+                    store = _scope_store()
+                    if store is None:
+                        store = _REGION
+                    # No entry is used or made while torch's cache flag is off or
+                    # inference mode is on (cast_one's rule).
+                    entries = store.entries if _cache_on() and not _inference_mode_on() else _no_entries
+                hit = entries.get(id(a))
+                if (
+                    hit is not None and hit[1] is dtype and hit[2] == a._version and a_dtype is _float32
+                    and a.requires_grad
+                ):
                     try:
-                        where = a.data_ptr()
-                    except RuntimeError:
-                        where = None
-                    if hit[2] == where and hit[3] == _CACHE.generation and _cache_on() and not _inference_mode_on():
-                        b = hit[5]
-                    else:
+                        same = a.untyped_storage() is hit[3]
+                    except RuntimeError:  # no storage of its own (torch.func's wrappers)
+                        same = False
+                    if same and hit[4] == a.data_ptr() and hit[7] == _STEPS.generation:
+                        shape = hit[5]
+                        if shape is None:  # its first use: the weight's were its cast's
+                            cast_of = hit[8]
+                            shape = hit[5] = cast_of.shape
+                            hit[6] = cast_of.stride()
+                        if shape == a.shape and hit[6] == a.stride():
+                            b = hit[8]
+                        else:  # a slice, reshape or transpose of the same storage
+                            b = cast_one(a, dtype, ctx, st)
+                    else:  # other data, or an optimizer step, since: cast_one tests it all
                         b = cast_one(a, dtype, ctx, st)
+                elif (
+                    # A weight seen first in this region (or scope): cast_one's caching
+                    # rule, inlined, the tests lower has made already left out.
+                    a_dtype is _float32 and a.requires_grad and entries is not _no_entries
+                    and (cls is _Parameter or cls is _Tensor) and ctx.on_device(a) and not _is_view(a)
+                    and not a.is_inference() and not _is_cached_tensor(a)
+                ):
+                    b = _insert(store, a, dtype, CAST_METHODS.get(dtype), hit)
                 else:
                     b = cast_one(a, dtype, ctx, st)
             elif a_dtype is _float64 or not a.is_floating_point() or not ctx.on_device(a):

@@ -486,11 +486,13 @@ def get_autocast_dtype(device_type: str = "cuda") -> torch.dtype:
 
 
 def clear_autocast_cache() -> None:
-    """Drop the cached weight casts of this thread: ours and native's.
+    """Drop the cached weight casts: ours and native's (each region's cache, shared by
+    the process as native's is, and those of the ``cast_cache`` open in this thread).
 
     ``torch.clear_autocast_cache()`` reaches only native's cache (torch offers no hook
-    for it). Call this one inside a region after changing weights in a way their version
-    counter does not see (through ``.data``), or to free the casts early.
+    for it). Call this one after changing weights in a way the cache cannot see (in place
+    through ``.data``, a fused optimizer kernel called directly, a collective), or to free
+    the casts early.
 
     Example::
 
