@@ -32,8 +32,9 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import _torch_compat
+from ..fp8 import _quantize as _fp8_copies
 
-__all__ = ["cast_cache", "lookup", "region_closed", "clear"]
+__all__ = ["cast_cache", "lookup", "region_closed", "clear", "keeps_casts"]
 
 _grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = _torch_compat.set_grad_enabled
@@ -102,16 +103,24 @@ def _evict_oldest(cache: _Cache, keep) -> None:
 
 
 def clear() -> None:
-    """Drops every cached cast."""
+    """Drops every cached cast, and every fp8 weight copy (``fp8/_quantize.py``)."""
     CACHE.entries.clear()
     CACHE.nbytes = 0
+    _fp8_copies.drop_all()
+
+
+def keeps_casts() -> bool:
+    """Whether a ``cast_cache`` scope keeps casts across regions now."""
+    return CACHE.scopes > 0
 
 
 def region_closed() -> None:
-    """A thread's outermost region closed: native drops its casts here, and so do we,
-    unless a ``cast_cache`` keeps them."""
-    if CACHE.scopes == 0:
-        clear()
+    """A thread's outermost region closed: native drops its casts here, and so do we
+    (and this thread's fp8 weight copies), unless a ``cast_cache`` keeps them."""
+    if not keeps_casts():
+        CACHE.entries.clear()
+        CACHE.nbytes = 0
+        _fp8_copies.region_closed()
 
 
 def _optimizer_stepped(optimizer, args, kwargs) -> None:
