@@ -28,7 +28,7 @@ import torch
 from .. import _markdown, _torch_compat
 from ..kernels.fp8_scale import F_AMAX, F_INIT, F_PENDING, F_SCALE, F_SHOWN, I_CALLS, I_SATURATED, NO_PENDING
 from ..kernels.fp8_scale import advance_reference, record_, record_reference
-from . import _replay, _state_dict, _step_hooks
+from . import _quantize, _replay, _state_dict, _step_hooks
 from ._rules import FORMATS, check_format, scale_from_amax
 from ._rules import amax as _amax
 from ._rules import cast as _cast
@@ -623,8 +623,17 @@ class DelayedScaling(Recipe):
                 state = site.roles.get(role)
                 f = state.f if state is not None else RoleState(self.amax_history_len, torch.device("cpu")).f
                 entries.update(_state_dict.entries(f, role))
+            kept = _quantize.kept_scale(site)
+            if kept is not None:  # the rest of the accumulation window reuses it
+                entries[_state_dict.COPY_SCALE] = kept.detach().clone()
             sites[name] = entries
-        return {"amax_history_len": self.amax_history_len, "sites": sites}
+        return {**self._checkpoint_config(), "sites": sites}
+
+    def _checkpoint_config(self) -> dict:
+        """What the state is made under (``_state_dict.CONFIG``), as a checkpoint holds it."""
+        return {"amax_history_len": self.amax_history_len, "forward_format": str(self.forward_format)[6:],
+                "grad_format": str(self.grad_format)[6:], "margin": self.margin,
+                "amax_compute_algo": self.amax_compute_algo, "power_of_two": self.power_of_two}
 
     def _portable_state(self) -> dict:
         return _state_dict.portable(self._named_state())
@@ -644,7 +653,7 @@ class DelayedScaling(Recipe):
             recipe = amp.fp8.DelayedScaling().bind(fresh_model)
             recipe.load_state_dict(checkpoint["fp8"])
         """
-        parsed = _state_dict.parse(state_dict, self.amax_history_len)
+        parsed, copy_scales = _state_dict.parse(state_dict, self._checkpoint_config())
         registry = self._registry
         known = registry.named() if registry.sites else {}
         targets: dict[str, Site | None] = {}
@@ -681,6 +690,12 @@ class DelayedScaling(Recipe):
                 device = next(iter(site.roles.values())).device
                 for role in ROLES:
                     site.roles.setdefault(role, RoleState(self.amax_history_len, device))
+            # The loaded state replaces the fp8 copy's too: the copy a checkpoint saved in
+            # the middle of an accumulation window is made again with its scale.
+            site.cached = None
+            if name in copy_scales:
+                _quantize.restored(site, copy_scales[name])
+                _step_hooks.watch(self)
 
     def __repr__(self) -> str:
         return f"DelayedScaling({self._describe()})"
