@@ -41,6 +41,18 @@ FilterFn = Callable[[Any, torch.Size, torch.Size], bool]
 
 _float32 = torch.float32
 
+#: The longest amax history DelayedScaling takes (48 KiB of state per site).
+MAX_HISTORY_LEN = 4096
+
+
+def _flag(value, name: str) -> bool:
+    # bool("false") is True: a flag given as a string (a config file, a command line)
+    # would silently mean the opposite.
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__}); convert "
+                        f"configuration strings first (e.g. value.lower() == 'true')")
+    return value
+
 
 @dataclass(frozen=True)
 class SiteReport:
@@ -95,7 +107,7 @@ class Recipe:
         if filter_fn is not None and not callable(filter_fn):
             raise TypeError(f"filter_fn must be callable (name, input_shape, weight_shape) -> bool, got {filter_fn!r}")
         self.filter_fn = filter_fn
-        self.power_of_two = bool(power_of_two)
+        self.power_of_two = _flag(power_of_two, "power_of_two")
         self._registry = SiteRegistry()
 
     # -- sites --------------------------------------------------------------------------
@@ -392,7 +404,7 @@ class RowwiseScaling(Recipe):
                  grad_format: torch.dtype = torch.float8_e4m3fn, power_of_two: bool = False,
                  weight_grad_high_precision: bool = False, filter_fn: FilterFn | None = None) -> None:
         super().__init__(forward_format, grad_format, filter_fn, power_of_two)
-        self.weight_grad_high_precision = bool(weight_grad_high_precision)
+        self.weight_grad_high_precision = _flag(weight_grad_high_precision, "weight_grad_high_precision")
 
     def _quantize_rows(self, t2: torch.Tensor, role: str, fmt: torch.dtype, site: Site | None, record: bool):
         """``(q, 1 / scales)`` of a 2-D operand, one scale per row, recording statistics
@@ -451,6 +463,11 @@ class DelayedScaling(Recipe):
                  filter_fn: FilterFn | None = None) -> None:
         if not isinstance(amax_history_len, int) or isinstance(amax_history_len, bool) or amax_history_len < 1:
             raise ValueError(f"amax_history_len must be a positive int, got {amax_history_len!r}")
+        if amax_history_len > MAX_HISTORY_LEN:
+            raise ValueError(
+                f"amax_history_len must be at most {MAX_HISTORY_LEN}, got {amax_history_len}: every site keeps a "
+                f"history per role on the weight's device ({3 * 4 * amax_history_len:,} bytes per site at this "
+                f"length) and every call shifts its whole history (Transformer Engine's default is 1024)")
         if amax_compute_algo not in ("max", "most_recent"):
             raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', got {amax_compute_algo!r}")
         if not isinstance(margin, int) or isinstance(margin, bool) or margin < 0:
@@ -460,7 +477,7 @@ class DelayedScaling(Recipe):
         self.amax_history_len = amax_history_len
         self.amax_compute_algo = amax_compute_algo
         self.margin = margin
-        self.reduce_amax = bool(reduce_amax)
+        self.reduce_amax = _flag(reduce_amax, "reduce_amax")
         self.process_group = process_group
 
     def _describe(self) -> str:
