@@ -64,6 +64,9 @@ class _Cached:
     storage: object = None  # held: its address cannot be reused while the entry lives
     owner: object = None  # the lifetime it belongs to (_Lifetime.owner)
     generation: int = 0
+    # The site's weight's key when the copy was made (the copy may be of its transpose:
+    # transformers' Conv1D), for kept_scale.
+    holder_key: tuple | None = None
 
 
 class _Lifetime(threading.local):
@@ -121,7 +124,7 @@ def kept_scale(site) -> torch.Tensor | None:
     if cached.key is not None:
         weight = site.alive()
         found = None if weight is None else _identity(weight)
-        if found is None or found[0] is not cached.storage or found[1] != cached.key[:len(found[1])]:
+        if found is None or found[0] is not cached.storage or found[1] != cached.holder_key:
             return None
     return cached.sc[0]
 
@@ -231,7 +234,10 @@ def quantize_weight(recipe, weight: torch.Tensor, fmt: torch.dtype, site, record
     snapshot: list = []
     q, q_t, sc, _ = quantize(recipe, weight, "weight", fmt, site, True, scale, need_qt=need_qt, snapshot=snapshot)
     if snapshot:
-        site.cached = _Cached(key, q, q_t, sc, tuple(snapshot), storage, life.owner, generation)
+        holder = site.alive()
+        held = found if holder is weight else (None if holder is None else _identity(holder))
+        site.cached = _Cached(key, q, q_t, sc, tuple(snapshot), storage, life.owner, generation,
+                              None if held is None else held[1])
         life.sites.add(site)
         if not _step_hooks.watching(recipe):
             _step_hooks.watch(recipe)
