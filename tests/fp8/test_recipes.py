@@ -260,6 +260,25 @@ def test_bad_arguments_are_refused_with_the_fix():
         amp.Policy.for_device("cpu").with_ops(fp8=["bmm"])
 
 
+@pytest.mark.parametrize("make, flag", [
+    (fp8.CurrentScaling, "power_of_two"), (fp8.DelayedScaling, "power_of_two"), (fp8.DelayedScaling, "reduce_amax"),
+    (fp8.RowwiseScaling, "power_of_two"), (fp8.RowwiseScaling, "weight_grad_high_precision"),
+], ids=lambda v: getattr(v, "__name__", v))
+@pytest.mark.parametrize("value", ["false", 0, None], ids=repr)
+def test_flags_take_bools_only(make, flag, value):
+    # bool("false") is True: the flag would silently mean the opposite.
+    with pytest.raises(TypeError, match=rf"{flag} must be True or False, got {value!r}"):
+        make(**{flag: value})
+    assert getattr(make(**{flag: False}), flag) is False
+
+
+def test_a_history_too_long_to_keep_is_refused_where_it_is_given():
+    # 10**9 would allocate 12 GB per site at the first call.
+    with pytest.raises(ValueError, match=r"amax_history_len must be at most 4096, got 1000000000: every site"):
+        fp8.DelayedScaling(amax_history_len=10**9)
+    assert fp8.DelayedScaling(amax_history_len=4096).amax_history_len == 4096
+
+
 def test_report_table_lists_every_site_and_role():
     model = _tiny_model()
     recipe = fp8.CurrentScaling().bind(model)

@@ -1,5 +1,6 @@
 """DelayedScaling's state dict: strict by default, checked whole before anything changes."""
 
+import contextlib
 import copy
 
 import pytest
@@ -113,12 +114,114 @@ def test_a_fresh_unbound_recipe_resumes_bit_identically():
     _assert_same_state(recipe.state_dict(), resumed.state_dict())
 
 
-def test_older_checkpoints_without_the_initialized_flag_load():
+def test_older_checkpoints_without_the_initialized_flag_or_the_configuration_load():
     _, recipe = _trained()
     state = _snapshot(recipe)
+    for key in ("forward_format", "grad_format", "margin", "amax_compute_algo", "power_of_two"):
+        del state[key]
     for entries in state["sites"].values():
         for role in ("input", "weight", "grad_output"):
             del entries[f"{role}_initialized"]
     fresh = fp8.DelayedScaling(amax_history_len=4).bind(_model())
     fresh.load_state_dict(state)
     _assert_same_state(recipe.state_dict(), fresh.state_dict())
+    assert fresh.state_dict()["grad_format"] == "float8_e5m2"
+
+
+# -- resuming in the middle of an accumulation window ------------------------------------------
+class Conv1D(nn.Module):
+    """transformers' Conv1D: ``addmm(b, x, w)`` on an ``(in, out)`` weight, which the fp8
+    path quantizes as its transpose."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_in, n_out) / n_in ** 0.5)
+        self.bias = nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x, self.weight)
+
+
+def _conv1d_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(Conv1D(32, 64), nn.GELU(), Conv1D(64, 32))
+
+
+def _accumulating_run(scope, make_model, resume_at=None, micro_batches=3, steps=3):
+    """``steps`` optimizer steps of ``micro_batches`` micro-batches each, inside ``scope``;
+    at micro-batch number ``resume_at`` everything is saved and loaded into a fresh model,
+    recipe and optimizer (a new process), and the run goes on there."""
+
+    def fresh(seed):
+        model = make_model(seed)
+        # The newest amax sets the scale: a weight changed by the step gets a new scale
+        # after its first call of the window, which the window's later calls then differ by.
+        recipe = fp8.DelayedScaling(amax_history_len=4, amax_compute_algo="most_recent").bind(model)
+        return model, recipe, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    model, recipe, opt = fresh(0)
+    open_scope = scope()
+    open_scope.__enter__()
+    k = 0
+    for step in range(steps):
+        for micro in range(micro_batches):
+            if k == resume_at:
+                saved = copy.deepcopy({"model": model.state_dict(), "grads": [p.grad for p in model.parameters()],
+                                       "optimizer": opt.state_dict(), "fp8": recipe.state_dict()})
+                open_scope.__exit__(None, None, None)
+                model, recipe, opt = fresh(5)
+                model.load_state_dict(saved["model"])
+                for p, g in zip(model.parameters(), saved["grads"]):
+                    p.grad = g
+                opt.load_state_dict(saved["optimizer"])
+                recipe.load_state_dict(saved["fp8"])
+                open_scope = scope()
+                open_scope.__enter__()
+            x = X * (1 + (3 * step + micro) % 5)
+            with amp.autocast("cpu", dtype=torch.bfloat16, fp8=recipe):
+                model(x).float().pow(2).mean().backward()
+            k += 1
+        opt.step()
+        opt.zero_grad()
+    open_scope.__exit__(None, None, None)
+    return [p.detach().clone() for p in model.parameters()], recipe.state_dict()
+
+
+@pytest.mark.parametrize("make_model", [_model, _conv1d_model], ids=["linear", "conv1d"])
+@pytest.mark.parametrize("scope", [contextlib.nullcontext, amp.cast_cache], ids=["default", "cast_cache"])
+@pytest.mark.parametrize("resume_at", [4, 5])  # the second and third of three micro-batches
+def test_a_resume_in_the_middle_of_an_accumulation_window_is_bit_identical(scope, resume_at, make_model):
+    want, want_state = _accumulating_run(scope, make_model)
+    got, got_state = _accumulating_run(scope, make_model, resume_at)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w), (g - w).abs().max()
+    _assert_same_state(got_state, want_state)
+
+
+# -- what a checkpoint's state was made under ---------------------------------------------------
+@pytest.mark.parametrize("field, value", [
+    ("grad_format", torch.float8_e4m3fn), ("forward_format", torch.float8_e5m2), ("margin", 1),
+    ("amax_compute_algo", "most_recent"), ("power_of_two", True),
+], ids=lambda v: str(v))
+def test_a_checkpoint_made_under_another_configuration_is_refused_naming_the_field(field, value):
+    _, recipe = _trained()
+    checkpoint = _snapshot(recipe)
+    other_model = _model()
+    other = fp8.DelayedScaling(amax_history_len=4, **{field: value}).bind(other_model)
+    with amp.autocast("cpu", dtype=torch.bfloat16, fp8=other):
+        other_model(X).float().pow(2).mean().backward()
+    before = _snapshot(other)
+    with pytest.raises(ValueError, match=rf"the checkpoint's {field} is .*DelayedScaling\({field}="):
+        other.load_state_dict(checkpoint)
+    _assert_same_state(before, other.state_dict())
+
+
+def test_a_checkpoint_mapped_to_the_meta_device_names_the_entry_and_the_fix():
+    _, recipe = _trained()
+    before = _snapshot(recipe)
+    meta = _snapshot(recipe)
+    meta["sites"] = {name: {k: v.to("meta") for k, v in e.items()} for name, e in meta["sites"].items()}
+    with pytest.raises(ValueError, match=r"site '0', role 'input': 'input_history' is a meta tensor.*"
+                                         r"map_location='cpu'"):
+        recipe.load_state_dict(meta)
+    _assert_same_state(before, recipe.state_dict())

@@ -45,10 +45,13 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import _torch_compat
+from ..fp8 import _quantize as _fp8_copies
 
 __all__ = ["cast_cache", "keeps_casts", "lookup", "insert", "region_closed", "clear"]
 
 _grad_enabled = torch.is_grad_enabled
+_increment_nesting = torch.autocast_increment_nesting
+_decrement_nesting = torch.autocast_decrement_nesting
 _set_grad_enabled = _torch_compat.set_grad_enabled
 _float32 = torch.float32
 
@@ -205,18 +208,29 @@ def _evict_oldest(store: _Store, keep) -> None:
 
 def clear() -> None:
     """Drops the cached casts this context can use: the per-region cache's (every
-    thread's, as ``torch.clear_autocast_cache`` drops native's) and those of the
-    ``cast_cache`` open here."""
+    thread's, as ``torch.clear_autocast_cache`` drops native's), those of the
+    ``cast_cache`` open here, and every thread's fp8 weight copies (``fp8/_quantize.py``)."""
     REGION.clear()
     store = SCOPE.get()
     if store is not None:
         store.clear()
+    _fp8_copies.drop_all()
 
 
 def region_closed() -> None:
-    """A thread's outermost region closed: native drops its casts here, and so do we.
-    A ``cast_cache``'s casts are in its own store, which stays."""
+    """A thread's outermost region closed: native drops its casts here, and so do we. A
+    ``cast_cache``'s casts are in its own store, which stays; so do this thread's fp8
+    weight copies while a ``cast_cache`` is open here."""
     REGION.clear()
+    if not keeps_casts():
+        _fp8_copies.region_closed()
+
+
+def _native_nesting() -> int:
+    """torch's autocast nesting counter on this thread (ours count in it): 0 outside
+    every region. torch exposes it only through increment/decrement."""
+    _increment_nesting()
+    return _decrement_nesting()
 
 
 def _optimizer_stepped(optimizer, args, kwargs) -> None:
@@ -293,6 +307,10 @@ class cast_cache:
             store.clear()
             if SCOPE.get() is store:
                 SCOPE.set(None)
+            # This thread's fp8 weight copies were kept past their regions by the scope:
+            # they go now, or when the region the scope closed inside of closes.
+            if _native_nesting() == 0:
+                _fp8_copies.region_closed()
         with STEPS.lock:
             STEPS.scopes -= 1
             if STEPS.scopes == 0:
@@ -316,6 +334,7 @@ class cast_cache:
                 "(dispatch_amp.clear_autocast_cache() drops the casts of any region)"
             )
         self._entered[-1][0].clear()
+        _fp8_copies.region_closed()  # this thread's fp8 weight copies too
 
 
 _torch_compat.keep_out_of_dynamo(globals(), __name__)

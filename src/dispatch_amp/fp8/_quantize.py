@@ -11,17 +11,28 @@ for bit; the recipe decides the scale (its ``_scale``) and what a call records (
   knows the site has a scale of its own, the amax kernel first and the cast kernel choosing
   on the device (see ``DelayedScaling``).
 
-The weight cache: an eager call quantizes a weight once per version of it (its in-place
-version counter and storage): gradient-accumulation micro-batches and evaluation loops
-reuse the fp8 copies (and the layouts made so far), and each reuse records the same
-statistics a new quantization would (the same amax), with the scale of the first call of
-that version. An in-place change (an optimizer step) makes a new version; the cache is
-also emptied before every optimizer step (``_step_hooks.py``), so no copy outlives its
-weight's version in memory. A compiled graph quantizes every call.
+The weight cache: an eager call inside an autocast region quantizes a weight once per
+version of it, for the rest of the region (as native autocast casts a weight once per
+region): a tied weight called twice reuses the first call's fp8 copies (and the layouts
+made so far), and each reuse records the same statistics a new quantization would (the
+same amax), with the scale of the first call. The copies (and the bias's cast) are
+dropped when the thread's outermost region closes (``region_closed``, called by
+``autocast/_cast_cache.py``), so a write between regions is never missed, whatever form it
+takes (``p.data -= ...``, ``p.data.copy_``, fused optimizer kernels called directly,
+collectives, ``.data =``). Inside ``amp.cast_cache()`` they are kept across the regions
+of the scope, until it closes. Within that lifetime an entry is used only while the
+weight is what it was quantized from, as far as a tensor can tell: the same storage
+object (held, so its address cannot be reused behind the entry), storage offset, shape,
+strides, dtype and version counter; a write through ``.data`` in place is invisible to
+these checks, which is why nothing is kept across regions by default. The cache is also
+emptied before every optimizer step (``_step_hooks.py``), so no copy outlives its
+weight's version in memory. A call outside any region, a recomputation (which records
+nothing) and a compiled graph quantize every call.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -34,20 +45,106 @@ from ._rules import amax as _amax
 from ._rules import cast as _cast
 from ._rules import kernels_in_use
 
-__all__ = ["quantize", "quantize_weight", "quantize_bias"]
+__all__ = ["quantize", "quantize_weight", "quantize_bias", "region_closed", "drop_all", "restored"]
 
 _float32 = torch.float32
 
 
 @dataclass
 class _Cached:
-    """A weight's fp8 copies for one version of it, and what recording a call needs."""
+    """A weight's fp8 copies for one version of it, and what recording a call needs.
 
-    key: tuple
-    q: torch.Tensor
+    ``key`` None: a scale restored from a checkpoint (``restored``), no copy made yet."""
+
+    key: tuple | None
+    q: torch.Tensor | None
     q_t: torch.Tensor | None
     sc: torch.Tensor
     stats: tuple  # torch path: (amax, saturated); kernel path: (int64 [amax bits, saturated],)
+    storage: object = None  # held: its address cannot be reused while the entry lives
+    owner: object = None  # the lifetime it belongs to (_Lifetime.owner)
+    generation: int = 0
+    # The site's weight's key when the copy was made (the copy may be of its transpose:
+    # transformers' Conv1D), for kept_scale.
+    holder_key: tuple | None = None
+
+
+class _Lifetime(threading.local):
+    """This thread's cache lifetime: the outermost region (or ``cast_cache`` scope) now
+    open. ``owner`` is replaced when it ends; ``sites``: the sites holding its copies (a
+    set: a region around a whole training loop re-quantizes after every step)."""
+
+    def __init__(self) -> None:
+        self.owner = object()
+        self.sites: set = set()
+
+
+_LIFE = _Lifetime()
+# Bumped by drop_all: every thread's entries made before are stale.
+_GENERATION = [0]
+_nesting_up = torch.autocast_increment_nesting
+_nesting_down = torch.autocast_decrement_nesting
+
+
+def region_closed() -> None:
+    """Ends this thread's cache lifetime: its outermost autocast region closed (outside a
+    ``cast_cache`` scope), or its ``cast_cache`` scope did. Its fp8 copies are freed."""
+    life = _LIFE
+    owner, sites = life.owner, life.sites
+    life.owner, life.sites = object(), set()
+    for site in sites:
+        cached = site.cached
+        if cached is not None and cached.owner is owner:
+            site.cached = None
+        bias = site.cached_bias
+        if bias is not None and bias[2] is owner:
+            site.cached_bias = None
+
+
+def drop_all() -> None:
+    """Makes every thread's fp8 copies stale (``clear_autocast_cache()``)."""
+    _GENERATION[0] += 1
+    region_closed()
+
+
+def restored(site, scale: torch.Tensor) -> None:
+    """The scale a checkpoint saved for the weight's copy (delayed scaling saved in the
+    middle of a ``cast_cache`` scope): the weight's next quantization uses it, as the
+    copy it stands for would have been reused."""
+    sc = torch.stack([scale, scale.reciprocal()])
+    site.cached = _Cached(None, None, None, sc, (), owner=None, generation=_GENERATION[0])
+
+
+def kept_scale(site) -> torch.Tensor | None:
+    """The scale of the weight's fp8 copy that later calls would reuse (for a checkpoint),
+    or None: no copy, or one its weight no longer matches."""
+    cached = site.cached
+    if cached is None or cached.generation != _GENERATION[0]:
+        return None
+    if cached.key is not None:
+        weight = site.alive()
+        found = None if weight is None else _identity(weight)
+        if found is None or found[0] is not cached.storage or found[1] != cached.holder_key:
+            return None
+    return cached.sc[0]
+
+
+def _in_region() -> bool:
+    # An autocast region (ours counts in torch's nesting counter) is open on this thread:
+    # only there does a lifetime end (region_closed) for the copies made now.
+    depth = _nesting_up()
+    _nesting_down()
+    return depth > 1
+
+
+def _identity(t: torch.Tensor):
+    """``(storage, key)`` for a cache entry of ``t``, or None (no storage of its own:
+    torch.func's wrappers, fake tensors)."""
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return storage, (t._version, t.storage_offset(), t.shape, t.stride(), t.dtype, t.device)
 
 
 def quantize(recipe, t2: torch.Tensor, role: str, fmt: torch.dtype, site, record: bool,
@@ -107,42 +204,65 @@ def _with_kernels(recipe, t2, role, fmt, site, record, scale, need_q, need_qt, d
 def quantize_weight(recipe, weight: torch.Tensor, fmt: torch.dtype, site, record: bool,
                     scale: torch.Tensor | None, need_qt: bool):
     """``(q, q_t, sc)`` of the weight, from the cache when this version of it was
-    quantized already (with the transposed layout, if asked for)."""
-    if site is None or torch.compiler.is_compiling() or weight.is_inference():  # no version counter there
+    quantized already in this lifetime (with the transposed layout, if asked for)."""
+    if site is None or not record or torch.compiler.is_compiling() or weight.is_inference():
+        # No version counter (inference tensors); a recomputation, which records nothing:
+        # quantized afresh, with the scales it replays.
         q, q_t, sc, _ = quantize(recipe, weight, "weight", fmt, site, record, scale, need_qt=need_qt)
         return q, q_t, sc
-    # The strides tell a parameter from its transpose (one site, two linears: a tied
-    # weight called as linear(x, p) and as addmm(b, x, p), see _reach.py).
-    key = (weight._version, weight.data_ptr(), weight.stride(), weight.device, fmt, torch.is_inference_mode_enabled())
-    cached = site.cached
-    if (cached is not None and cached.key == key and (cached.q_t is not None or not need_qt)
-            and (scale is None or scale.data_ptr() == cached.sc.data_ptr())):
-        if record:
-            recipe._record_cached(site, cached, fmt)
-        return cached.q, (cached.q_t if need_qt else None), cached.sc
-    if scale is not None:  # a replay of another version's scale: nothing to keep
+    found = _identity(weight)
+    if found is None or not _in_region():
         q, q_t, sc, _ = quantize(recipe, weight, "weight", fmt, site, record, scale, need_qt=need_qt)
+        return q, q_t, sc
+    storage, key = found
+    key = (*key, fmt, torch.is_inference_mode_enabled())
+    life, generation = _LIFE, _GENERATION[0]
+    cached = site.cached
+    if cached is not None and cached.generation == generation:
+        if cached.key is None:  # a restored scale: the copy it stands for is made now
+            if scale is None:
+                scale = cached.sc[0].to(weight.device)
+        elif (cached.owner is life.owner and cached.storage is storage and cached.key == key
+              and (cached.q_t is not None or not need_qt)
+              and (scale is None or scale.data_ptr() == cached.sc.data_ptr())):
+            recipe._record_cached(site, cached, fmt)
+            return cached.q, (cached.q_t if need_qt else None), cached.sc
+    if scale is not None and (cached is None or cached.key is not None):
+        # A replay of another copy's scale: nothing to keep.
+        q, q_t, sc, _ = quantize(recipe, weight, "weight", fmt, site, True, scale, need_qt=need_qt)
         return q, q_t, sc
     snapshot: list = []
-    q, q_t, sc, _ = quantize(recipe, weight, "weight", fmt, site, True, None, need_qt=need_qt, snapshot=snapshot)
+    q, q_t, sc, _ = quantize(recipe, weight, "weight", fmt, site, True, scale, need_qt=need_qt, snapshot=snapshot)
     if snapshot:
-        site.cached = _Cached(key, q, q_t, sc, tuple(snapshot))
-        _step_hooks.watch(recipe)
+        holder = site.alive()
+        held = found if holder is weight else (None if holder is None else _identity(holder))
+        site.cached = _Cached(key, q, q_t, sc, tuple(snapshot), storage, life.owner, generation,
+                              None if held is None else held[1])
+        life.sites.add(site)
+        if not _step_hooks.watching(recipe):
+            _step_hooks.watch(recipe)
     return q, q_t, sc
 
 
 def quantize_bias(site, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
-    """The bias in the gemm's output dtype, cast once per version of it."""
+    """The bias in the gemm's output dtype, cast once per version of it in the weight
+    cache's lifetime."""
     if bias is None or bias.dtype == out_dtype:
         return bias
     if site is None or torch.compiler.is_compiling() or bias.is_inference():
         return bias.detach().to(out_dtype)
-    key = (bias._version, bias.data_ptr(), out_dtype, torch.is_inference_mode_enabled())
+    found = _identity(bias)
+    if found is None or not _in_region():
+        return bias.detach().to(out_dtype)
+    storage, key = found
+    key = (*key, out_dtype, torch.is_inference_mode_enabled(), _GENERATION[0])
+    life = _LIFE
     cached = site.cached_bias
-    if cached is not None and cached[0] == key:
-        return cached[1]
+    if cached is not None and cached[2] is life.owner and cached[1] is storage and cached[0] == key:
+        return cached[3]
     low = bias.detach().to(out_dtype)
-    site.cached_bias = (key, low)
+    site.cached_bias = (key, storage, life.owner, low)
+    life.sites.add(site)
     return low
 
 

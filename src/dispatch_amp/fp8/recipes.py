@@ -28,7 +28,7 @@ import torch
 from .. import _markdown, _torch_compat
 from ..kernels.fp8_scale import F_AMAX, F_INIT, F_PENDING, F_SCALE, F_SHOWN, I_CALLS, I_SATURATED, NO_PENDING
 from ..kernels.fp8_scale import advance_reference, record_, record_reference
-from . import _replay, _state_dict, _step_hooks
+from . import _quantize, _replay, _state_dict, _step_hooks
 from ._rules import FORMATS, check_format, scale_from_amax
 from ._rules import amax as _amax
 from ._rules import cast as _cast
@@ -40,6 +40,18 @@ __all__ = ["Recipe", "CurrentScaling", "DelayedScaling", "RowwiseScaling", "Site
 FilterFn = Callable[[Any, torch.Size, torch.Size], bool]
 
 _float32 = torch.float32
+
+#: The longest amax history DelayedScaling takes (48 KiB of state per site).
+MAX_HISTORY_LEN = 4096
+
+
+def _flag(value, name: str) -> bool:
+    # bool("false") is True: a flag given as a string (a config file, a command line)
+    # would silently mean the opposite.
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__}); convert "
+                        f"configuration strings first (e.g. value.lower() == 'true')")
+    return value
 
 
 @dataclass(frozen=True)
@@ -95,7 +107,7 @@ class Recipe:
         if filter_fn is not None and not callable(filter_fn):
             raise TypeError(f"filter_fn must be callable (name, input_shape, weight_shape) -> bool, got {filter_fn!r}")
         self.filter_fn = filter_fn
-        self.power_of_two = bool(power_of_two)
+        self.power_of_two = _flag(power_of_two, "power_of_two")
         self._registry = SiteRegistry()
 
     # -- sites --------------------------------------------------------------------------
@@ -392,7 +404,7 @@ class RowwiseScaling(Recipe):
                  grad_format: torch.dtype = torch.float8_e4m3fn, power_of_two: bool = False,
                  weight_grad_high_precision: bool = False, filter_fn: FilterFn | None = None) -> None:
         super().__init__(forward_format, grad_format, filter_fn, power_of_two)
-        self.weight_grad_high_precision = bool(weight_grad_high_precision)
+        self.weight_grad_high_precision = _flag(weight_grad_high_precision, "weight_grad_high_precision")
 
     def _quantize_rows(self, t2: torch.Tensor, role: str, fmt: torch.dtype, site: Site | None, record: bool):
         """``(q, 1 / scales)`` of a 2-D operand, one scale per row, recording statistics
@@ -451,6 +463,11 @@ class DelayedScaling(Recipe):
                  filter_fn: FilterFn | None = None) -> None:
         if not isinstance(amax_history_len, int) or isinstance(amax_history_len, bool) or amax_history_len < 1:
             raise ValueError(f"amax_history_len must be a positive int, got {amax_history_len!r}")
+        if amax_history_len > MAX_HISTORY_LEN:
+            raise ValueError(
+                f"amax_history_len must be at most {MAX_HISTORY_LEN}, got {amax_history_len}: every site keeps a "
+                f"history per role on the weight's device ({3 * 4 * amax_history_len:,} bytes per site at this "
+                f"length) and every call shifts its whole history (Transformer Engine's default is 1024)")
         if amax_compute_algo not in ("max", "most_recent"):
             raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', got {amax_compute_algo!r}")
         if not isinstance(margin, int) or isinstance(margin, bool) or margin < 0:
@@ -460,7 +477,7 @@ class DelayedScaling(Recipe):
         self.amax_history_len = amax_history_len
         self.amax_compute_algo = amax_compute_algo
         self.margin = margin
-        self.reduce_amax = bool(reduce_amax)
+        self.reduce_amax = _flag(reduce_amax, "reduce_amax")
         self.process_group = process_group
 
     def _describe(self) -> str:
@@ -623,8 +640,17 @@ class DelayedScaling(Recipe):
                 state = site.roles.get(role)
                 f = state.f if state is not None else RoleState(self.amax_history_len, torch.device("cpu")).f
                 entries.update(_state_dict.entries(f, role))
+            kept = _quantize.kept_scale(site)
+            if kept is not None:  # the rest of the accumulation window reuses it
+                entries[_state_dict.COPY_SCALE] = kept.detach().clone()
             sites[name] = entries
-        return {"amax_history_len": self.amax_history_len, "sites": sites}
+        return {**self._checkpoint_config(), "sites": sites}
+
+    def _checkpoint_config(self) -> dict:
+        """What the state is made under (``_state_dict.CONFIG``), as a checkpoint holds it."""
+        return {"amax_history_len": self.amax_history_len, "forward_format": str(self.forward_format)[6:],
+                "grad_format": str(self.grad_format)[6:], "margin": self.margin,
+                "amax_compute_algo": self.amax_compute_algo, "power_of_two": self.power_of_two}
 
     def _portable_state(self) -> dict:
         return _state_dict.portable(self._named_state())
@@ -644,7 +670,7 @@ class DelayedScaling(Recipe):
             recipe = amp.fp8.DelayedScaling().bind(fresh_model)
             recipe.load_state_dict(checkpoint["fp8"])
         """
-        parsed = _state_dict.parse(state_dict, self.amax_history_len)
+        parsed, copy_scales = _state_dict.parse(state_dict, self._checkpoint_config())
         registry = self._registry
         known = registry.named() if registry.sites else {}
         targets: dict[str, Site | None] = {}
@@ -681,6 +707,12 @@ class DelayedScaling(Recipe):
                 device = next(iter(site.roles.values())).device
                 for role in ROLES:
                     site.roles.setdefault(role, RoleState(self.amax_history_len, device))
+            # The loaded state replaces the fp8 copy's too: the copy a checkpoint saved in
+            # the middle of an accumulation window is made again with its scale.
+            site.cached = None
+            if name in copy_scales:
+                _quantize.restored(site, copy_scales[name])
+                _step_hooks.watch(self)
 
     def __repr__(self) -> str:
         return f"DelayedScaling({self._describe()})"
