@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
 import gc
 import sys
 import threading
@@ -217,102 +219,180 @@ def test_a_weight_frozen_after_its_cast_is_cast_again_as_native_casts_it(region)
     torch.testing.assert_close(first.detach(), second, rtol=0, atol=0)
 
 
-# -- every write form, against native ------------------------------------------------
-# Each evaluation's reference is native autocast in a region of its own (a fresh cast):
-# ours must give the same bits whether its cast was kept (cast_cache, or earlier in the
-# same region) or made anew. Same aten calls on both sides: compared bit for bit.
-def _evaluate(w, x):
+# -- every write form, for every cache that keeps a weight's cast --------------------
+# One test over both caches that keep a cast of a weight: the weight-cast cache (bf16
+# casts) and the fp8 weight copies (each fp8 recipe), in both lifetimes: the default
+# (regions, one per evaluation) and inside cast_cache. Each evaluation (forward and both
+# gradients) is compared bit for bit with a reference that keeps nothing: native autocast
+# in a region of its own for the casts, a copy of the recipe as it stands (its state, none
+# of its fp8 copies) for fp8; the same aten calls on both sides.
+#
+# Between regions every write must be seen. Inside cast_cache, writes that keep the
+# weight's storage, shape, strides and version (in place through .data, fused optimizer
+# kernels called directly, a collective writing into it) are invisible to every check, as
+# docs/autocast.md says: there the documented remedy, ``casts.clear()``, follows them.
+def _apply(w, x):
     return F.linear(x[:, : w.shape[1]], w)
 
 
 def _native(w, x):
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        return _evaluate(w, x)
+        return _apply(w, x)
 
 
-def _row_slice(w, i, opt):
-    w.data = w.data[: w.shape[0] - 4]  # same storage, same data_ptr, fewer rows
+class _Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(64, 64))
+
+    def forward(self, x):
+        return _apply(self.weight, x)
+
+
+def _noise(w, i):
+    return torch.randn(w.shape, generator=torch.Generator().manual_seed(100 + i)) / 8
+
+
+def _data_sub(w, i, opt):  # a hand-written SGD step
+    w.data -= 0.5 * w.grad
+
+
+def _data_copy(w, i, opt):  # what dist.broadcast into a weight does to it: new values, nothing bumped
+    w.data.copy_(_noise(w, i))
+
+
+def _data_add(w, i, opt):  # an EMA or target-network update
+    w.data.add_(_noise(w, i), alpha=0.5)
+
+
+def _fused_sgd(w, i, opt):  # a functional optimizer calls the fused kernel itself
+    torch._fused_sgd_([w], [w.grad], [], weight_decay=0.0, momentum=0.0, lr=0.5, dampening=0.0,
+                      nesterov=False, maximize=False, is_first_step=False)
+
+
+def _fused_adam(w, i, opt):
+    torch._fused_adam_([w], [w.grad], [torch.zeros_like(w)], [torch.zeros_like(w)], [],
+                       [torch.tensor(float(i + 1))], lr=0.1, beta1=0.9, beta2=0.999, weight_decay=0.0,
+                       eps=1e-8, amsgrad=False, maximize=False)
+
+
+def _in_place_no_grad(w, i, opt):
+    with torch.no_grad():
+        w -= 0.5 * w.grad
+
+
+def _optimizer_step(w, i, opt):
+    opt.step()
+
+
+def _row_slice(w, i, opt):  # pruning: the same storage and data_ptr, fewer rows
+    w.data = w.data[: max(16, w.shape[0] - 16)]
 
 
 _SHAPES = [(128, 32), (32, 128), (64, 64)]
 
 
-def _reshape(w, i, opt):
-    w.data = w.data.reshape(_SHAPES[i % 3])  # same storage and data_ptr, other shape
+def _reshape(w, i, opt):  # the same storage and data_ptr, another shape
+    w.data = w.data.reshape(_SHAPES[i % 3])
 
 
-def _transpose(w, i, opt):
-    w.data = w.data.t()  # square: same storage, data_ptr and shape, other strides
+def _transpose(w, i, opt):  # square: the same storage, data_ptr and shape, other strides
+    w.data = w.data.t()
 
 
 def _new_vector(w, i, opt):
     # A new parameter vector per iteration (evolution strategies, line search), two per
-    # evaluation: the allocator hands the second the address the first one freed.
-    for _ in range(2):
-        torch.nn.utils.vector_to_parameters(torch.randn(w.numel()), [w])
+    # evaluation: the allocator may hand the second the address the first one freed.
+    for j in range(2):
+        torch.nn.utils.vector_to_parameters(_noise(w, 10 * i + j).flatten(), [w])
 
 
 _BUFFER = bytearray(64 * 64 * 4)
 
 
 def _same_address(w, i, opt):
-    # New storage over memory the weight's old storage used (a loader refilling one
-    # buffer and wrapping it again): the address is the same, the storage object is not.
-    numpy_view = torch.frombuffer(_BUFFER, dtype=torch.float32)
-    numpy_view.copy_(torch.randn(w.numel()))
-    w.data = torch.frombuffer(_BUFFER, dtype=torch.float32).view(64, 64)
-
-
-def _in_place_no_grad(w, i, opt):
-    with torch.no_grad():
-        w -= 0.5 * torch.randn_like(w)
-
-
-def _optimizer_step(w, i, opt):
-    w.grad = torch.randn_like(w)
-    opt.step()
-    opt.zero_grad()
+    # New storage over the memory the old one used (a loader refilling one buffer and
+    # wrapping it again): the address is certainly the same, the storage object is not.
+    torch.frombuffer(_BUFFER, dtype=torch.float32).copy_(_noise(w, i).flatten())
+    w.data = torch.frombuffer(_BUFFER, dtype=torch.float32).view(w.shape)
 
 
 WRITES = {
+    "data -= (hand-written SGD)": _data_sub, "data.copy_ (a collective)": _data_copy,
+    "data.add_ (EMA)": _data_add, "_fused_sgd_": _fused_sgd, "_fused_adam_": _fused_adam,
+    "no_grad in place": _in_place_no_grad, "optimizer.step": _optimizer_step,
     "data = row slice": _row_slice, "data = reshape": _reshape, "data = transpose": _transpose,
-    "vector_to_parameters": _new_vector, "data = new storage, same address": _same_address, "no_grad in place": _in_place_no_grad, "optimizer.step": _optimizer_step,
+    "vector_to_parameters": _new_vector, "data = new storage, same address": _same_address,
+}
+INVISIBLE_IN_CAST_CACHE = {"data -= (hand-written SGD)", "data.copy_ (a collective)", "data.add_ (EMA)",
+                           "_fused_sgd_", "_fused_adam_"}
+CACHES = {
+    "casts": None,
+    "fp8 current": lambda: amp.fp8.CurrentScaling(),
+    "fp8 delayed": lambda: amp.fp8.DelayedScaling(amax_history_len=4),
+    "fp8 rowwise": lambda: amp.fp8.RowwiseScaling(),
 }
 
 
-@pytest.mark.parametrize("lifetime", ["cast_cache", "one region"])
+def _evaluate(layer, x, recipe=None, native=False):
+    """The output and both gradients of one evaluation in a region of its own."""
+    x = x.clone().requires_grad_(True)
+    region = (torch.autocast("cpu", dtype=torch.bfloat16) if native
+              else amp.autocast("cpu", dtype=torch.bfloat16, fp8=recipe))
+    with region:
+        y = layer(x)
+    gx, gw = torch.autograd.grad(y.float().pow(2).sum(), [x, layer.weight])
+    return y.detach(), gx, gw
+
+
+@pytest.mark.parametrize("lifetime", ["regions", "cast_cache"])
+@pytest.mark.parametrize("cache", list(CACHES))
 @pytest.mark.parametrize("write", list(WRITES))
-def test_every_write_form_is_seen_as_native_sees_it(write, lifetime):
+def test_every_write_form_is_seen_by_every_cache_that_keeps_a_weight(write, cache, lifetime):
     torch.manual_seed(0)
-    w = nn.Parameter(torch.randn(64, 64))
-    opt = torch.optim.SGD([w], lr=0.5)
-    x = torch.randn(4, 128)
-    outer = amp.cast_cache() if lifetime == "cast_cache" else amp.autocast("cpu")
-    outputs, weights = [], []
-    with outer:
-        for i in range(8):
-            with amp.autocast("cpu"):  # nested in the outer region for "one region"
-                outputs.append(_evaluate(w, x))
-            # What the weight is now (clone keeps its strides), for native outside ours.
-            weights.append(nn.Parameter(w.detach().clone()))
-            WRITES[write](w, i, opt)
-    for i, (ours, weight) in enumerate(zip(outputs, weights)):
-        want = _native(weight, x)
-        assert ours.shape == want.shape and torch.equal(ours, want), f"evaluation {i} after {write}"
+    layer = _Layer()
+    recipe = None if CACHES[cache] is None else CACHES[cache]().bind(layer)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.5)
+    x = torch.randn(32, 128, generator=torch.Generator().manual_seed(1))
+    scope = amp.cast_cache() if lifetime == "cast_cache" else contextlib.nullcontext()
+    with scope as casts:
+        for i in range(6):
+            # The reference: a copy of the recipe as it stands (the same state) keeps none
+            # of the fp8 copies; native keeps no cast past its region. Ours first: a kept
+            # cast holds the weight's gradient accumulator, with the shape it had, until
+            # ours finds it stale (docs/autocast.md).
+            reference = None if recipe is None else copy.deepcopy(recipe)
+            got = _evaluate(layer, x, recipe)
+            want = _evaluate(layer, x, native=True) if recipe is None else _evaluate(layer, x, reference)
+            for name, a, b in zip(("output", "input grad", "weight grad"), got, want):
+                assert a.shape == b.shape and torch.equal(a, b), f"{name} of evaluation {i} after {write}"
+            layer.weight.grad = got[2]
+            del got, want  # the graphs are gone: nothing holds the weight's old shape
+            WRITES[write](layer.weight, i, opt)
+            layer.weight.grad = None
+            if lifetime == "cast_cache" and write in INVISIBLE_IN_CAST_CACHE:
+                casts.clear()
 
 
 # -- the scope belongs to its thread (and asyncio task) -------------------------------
 def _plain_regions_across_data_writes(steps: int = 4) -> None:
     """Regions with writes through .data between them (invisible to every check): each
-    region must cast afresh, as native's does."""
+    region must cast afresh, as native's does, and quantize afresh under an fp8 recipe,
+    as a copy of the recipe (none of its fp8 copies) does."""
     torch.manual_seed(1)
-    w = nn.Parameter(torch.randn(16, 16))
-    x = torch.randn(4, 16)
+    layer = _Layer()
+    recipe = amp.fp8.CurrentScaling().bind(layer)
+    x = torch.randn(32, 64)
     for i in range(steps):
         with amp.autocast("cpu"):
-            ours = _evaluate(w, x)
-        assert torch.equal(ours, _native(w, x)), f"region {i}"
-        w.data -= 0.5 * torch.randn_like(w)  # hand-written SGD: bumps no version
+            ours = layer(x)
+        assert torch.equal(ours, _native(layer.weight, x)), f"region {i}"
+        with amp.autocast("cpu", fp8=recipe):
+            ours = layer(x)
+        with amp.autocast("cpu", fp8=copy.deepcopy(recipe)):
+            fresh = layer(x)
+        assert torch.equal(ours, fresh), f"fp8 region {i}"
+        layer.weight.data -= 0.5 * torch.randn_like(layer.weight)  # hand-written SGD: bumps no version
 
 
 def test_a_cast_cache_open_in_another_thread_leaves_this_threads_regions_native():
@@ -392,14 +472,14 @@ def test_clear_drops_the_scopes_casts_after_a_write_no_check_sees():
     x = torch.randn(2, 8)
     with amp.cast_cache() as casts:
         with amp.autocast("cpu"):
-            first = _evaluate(w, x)
+            first = _apply(w, x)
         w.data.mul_(2)  # in place through .data: invisible
         with amp.autocast("cpu"):
-            stale = _evaluate(w, x)
+            stale = _apply(w, x)
         casts.clear()
         assert casts._entered and _cast_cache.keeps_casts()  # still open, only emptied
         with amp.autocast("cpu"):
-            fresh = _evaluate(w, x)
+            fresh = _apply(w, x)
     assert torch.equal(stale, first)  # documented: a write through .data is not seen
     assert torch.equal(fresh, _native(w, x)) and not torch.equal(fresh, first)
 

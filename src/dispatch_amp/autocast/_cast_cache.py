@@ -151,16 +151,26 @@ def lookup(t: torch.Tensor, dtype: torch.dtype, to):
     hit = store.entries.get(id(t))
     if hit is not None and _fresh(hit, t, dtype):
         return hit[CAST]
-    return insert(store, t, dtype, to, hit)
+    hit = None  # see insert: nothing may hold the stale entry while the new cast is made
+    return insert(store, t, dtype, to)
 
 
-def insert(store: _Store, t: torch.Tensor, dtype: torch.dtype, to, hit=None):
+def insert(store: _Store, t: torch.Tensor, dtype: torch.dtype, to):
     """Casts ``t`` to ``dtype`` (with ``to``) and keeps the cast in ``store`` (the one
-    ``SCOPE`` gives, or ``REGION``), replacing ``hit``, its stale entry. The engine's
-    ``lower`` calls it for a weight it found no fresh entry for."""
+    ``SCOPE`` gives, or ``REGION``), replacing its stale entry. The engine's ``lower``
+    calls it for a weight it found no fresh entry for.
+
+    The stale entry is dropped before the new cast is made, and callers hold no reference
+    to it: its cast's ``grad_fn`` holds the weight's gradient accumulator, which records
+    the weight's shape when it is made. Alive while the new cast is made (a ``.data =``
+    row slice or reshape since), it would be the new cast's too, and the backward would
+    refuse the gradient of the new shape."""
     if not store.open:  # a scope closed from another context since the caller read it
         store = _store()
-        hit = store.entries.get(id(t))
+    stale = store.entries.pop(id(t), None)
+    if stale is not None and store.max_bytes is not None:
+        store.nbytes -= stale[CAST].nbytes
+    stale = None
     # Read before the cast: what the cast is made from.
     version, generation = t._version, STEPS.generation
     try:
@@ -179,10 +189,6 @@ def insert(store: _Store, t: torch.Tensor, dtype: torch.dtype, to, hit=None):
             _set_grad_enabled(False)
     key = id(t)
     bounded = store.max_bytes is not None
-    if hit is not None:
-        if bounded:
-            store.nbytes -= hit[CAST].nbytes
-        store.entries.pop(key, None)
     if storage is None:  # nothing to check a later use against: not kept
         return out
     if t.is_contiguous():  # shape and strides: the cast's, read at the first use

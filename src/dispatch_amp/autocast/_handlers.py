@@ -131,14 +131,15 @@ def lower(ctx, st, op, keyset, args, kwargs):
                     if same and hit[4] == a.data_ptr() and hit[7] == _STEPS.generation:
                         shape = hit[5]
                         if shape is None:  # its first use: the weight's were its cast's
-                            cast_of = hit[8]
-                            shape = hit[5] = cast_of.shape
-                            hit[6] = cast_of.stride()
+                            shape = hit[5] = hit[8].shape  # no local holds the cast (insert)
+                            hit[6] = hit[8].stride()
                         if shape == a.shape and hit[6] == a.stride():
                             b = hit[8]
                         else:  # a slice, reshape or transpose of the same storage
+                            hit = None  # the stale cast goes before the new one is made (insert)
                             b = cast_one(a, dtype, ctx, st)
                     else:  # other data, or an optimizer step, since: cast_one tests it all
+                        hit = None
                         b = cast_one(a, dtype, ctx, st)
                 elif (
                     # A weight seen first in this region (or scope): cast_one's caching
@@ -147,8 +148,10 @@ def lower(ctx, st, op, keyset, args, kwargs):
                     and (cls is _Parameter or cls is _Tensor) and ctx.on_device(a) and not _is_view(a)
                     and not a.is_inference() and not _is_cached_tensor(a)
                 ):
-                    b = _insert(store, a, dtype, CAST_METHODS.get(dtype), hit)
+                    hit = None
+                    b = _insert(store, a, dtype, CAST_METHODS.get(dtype))
                 else:
+                    hit = None
                     b = cast_one(a, dtype, ctx, st)
             elif a_dtype is _float64 or not a.is_floating_point() or not ctx.on_device(a):
                 continue
