@@ -1,7 +1,8 @@
 """Kernels per fp8 linear forward + backward on the CUDA path, counted on a CPU.
 
-The CUDA path (the Triton kernels of ``kernels/``) is forced and run on meta tensors at the
-GPU benchmark's full size (4096 x 8192 x 16384, bf16 input, float32 weight and bias): the
+The CUDA path (the Triton kernels of ``kernels/``, the gemms through ``torch._scaled_mm``,
+which the CPU path replaces by their rule) is forced and run on meta tensors at the GPU
+benchmark's full size (4096 x 8192 x 16384, bf16 input, float32 weight and bias): the
 torch operators are recorded with a dispatch mode (every operator that launches work on a
 GPU: not views, not allocations), and the Triton launches are counted at the launcher
 (``kernels/_launch.py``), which records them without running them. The counted call is a
@@ -30,7 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dispatch_amp import _markdown, fp8
-from dispatch_amp.fp8 import _rules, fp8_linear
+from dispatch_amp.fp8 import _gemms, _rules, fp8_linear
 from dispatch_amp.kernels._launch import counting_launches
 
 __all__ = ["RECIPES", "FULL_SIZE", "TARGET", "count_kernels", "table", "main"]
@@ -66,12 +67,13 @@ class _Ops(TorchDispatchMode):
 
 @contextlib.contextmanager
 def _cuda_path():
-    previous = _rules._BACKEND
+    previous = _rules._BACKEND, _gemms.BY_RULE_ON
     _rules._BACKEND = "triton"  # what "auto" picks on CUDA
+    _gemms.BY_RULE_ON = frozenset()  # and torch._scaled_mm, also for the real run on a CPU
     try:
         yield
     finally:
-        _rules._BACKEND = previous
+        _rules._BACKEND, _gemms.BY_RULE_ON = previous
 
 
 def _optimizer_step(x, weight, bias) -> None:

@@ -57,6 +57,16 @@ def test_standalone_script_runs_quick(script):
     assert SCRIPTS[script] in res.stdout, res.stdout[-2000:]
 
 
+def test_fp8_grad_errors_check_runs_at_a_small_size():
+    # The full size (8 x 2048 tokens) is the module's default; tests/fp8/test_first_calls.py
+    # checks the numbers at a size CI affords. Here: the options and the verdict line.
+    args = ["--check", "--calls", "2", "--batch", "1", "--seq", "32", "--layers", "1", "--loss-tokens", "256"]
+    res = subprocess.run([sys.executable, "-m", "benchmarks.fp8_grad_errors", *args], cwd=REPO, capture_output=True,
+                         text=True, timeout=HANG_GUARD_S)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "1 x 32 tokens, loss over 256 tokens" in res.stdout and "check: passed" in res.stdout
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without CUDA")
 def test_device_cuda_without_cuda_is_a_clear_error():
     res = subprocess.run([sys.executable, "-m", "benchmarks", "--device", "cuda", "--quick", "--no-save"], cwd=REPO,

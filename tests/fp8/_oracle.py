@@ -92,3 +92,61 @@ class DelayedSite:
         if ref > 0 and ref != float("inf") and ref == ref:
             self.scale[role] = scale_of(torch.tensor(ref, dtype=torch.float32), fmt, self.margin)
         return s
+
+
+# -- comparing with a gemm computed another way ------------------------------------------
+#
+# The oracle's gemms are float32 matmuls as written in docs/fp8.md; ours reach float32
+# matmuls too (on the CPU), but with other operand layouts, and the CPU's gemm kernel picks
+# its summation order by layout and by machine (AMD and Intel differ). Bits are compared
+# only where both sides make the same call on the same operands (``gemm_nt``); elsewhere
+# with ``gemm_bound``.
+
+UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+
+
+def gemm_nt(a, b_rows):
+    """``a @ b_rows.T`` in float32 as ours computes it on the CPU: both operands contiguous,
+    laid out along K, the second one read transposed (``fp8/_gemms.by_rule``). The same
+    call on the same operands gives the same bits on any machine."""
+    return a.float().contiguous() @ b_rows.float().contiguous().t()
+
+
+def gemm_bound(a, b, out_dtype, bias=None):
+    """Elementwise bound on ``|ours - oracle|`` for ``(a @ b + bias).to(out_dtype)`` computed
+    by two float32 gemms that sum in different orders (``a``, ``b``: the float32 operands).
+
+    - Any order of summing n float32 terms (here the K products, and the bias) is within
+      ``gamma_n * sum |term|`` of the exact sum, ``gamma_n = n u / (1 - n u)``, ``u =
+      2**-24`` (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., Lemma 3.1;
+      a fused multiply-add only drops roundings): two orders are within twice that, ``d``.
+    - Rounding each to ``out_dtype`` (nearest, unit roundoff ``v``) adds at most ``v`` of
+      each: ``|rd(x) - rd(y)| <= d + v (|x| + |y|) <= (1 + v) d + 2 v |y|``, and ``|y|``, a
+      float32 sum, is at most ``(1 + gamma_n) sum |term|``. Gradual underflow adds at most
+      the spacing of ``out_dtype``'s subnormals.
+
+    The bound grows with K and with ``sum |term|``, not with ``|result|``: a result that
+    cancels to near zero may differ by more than its own ulps, as it should.
+    """
+    n = a.shape[-1] + (bias is not None)
+    u, v = UNIT_ROUNDOFF[torch.float32], UNIT_ROUNDOFF[out_dtype]
+    terms = a.double().abs() @ b.double().abs()
+    if bias is not None:
+        terms = terms + bias.double().abs()
+    gamma = n * u / (1 - n * u)
+    d = 2 * gamma * terms
+    finfo = torch.finfo(out_dtype)
+    return (1 + v) * d + 2 * v * (1 + gamma) * terms + finfo.smallest_normal * finfo.eps
+
+
+def assert_within(got, want, bound, what):
+    """``got`` and ``want`` of the same dtype, nan at the same places, elsewhere
+    ``|got - want| <= bound`` (a tensor broadcast to them; 0 asks for the same bits)."""
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype}, expected {want.dtype}"
+    assert torch.equal(got.isnan(), want.isnan()), f"{what}: nan positions differ"
+    ok = ~got.isnan()
+    diff = (got.double() - want.double()).abs()
+    bound = torch.as_tensor(bound, dtype=torch.float64).expand_as(diff)
+    over = (diff > bound) & ok
+    assert not over.any(), (f"{what}: {int(over.sum())} elements beyond the bound, max |diff| "
+                            f"{diff[ok].max().item():.3g}, bound there {bound[over].max().item():.3g}")

@@ -1,21 +1,34 @@
 """The fp8 linear's gemms: ``mm`` (one scaled gemm, bias in its epilogue) and the first-order
-backward from the operands the forward saved (``_linear.py`` says which)."""
+backward from the operands the forward saved (``_linear.py`` says which).
+
+On CUDA (and every device but the CPU) a gemm is ``torch._scaled_mm``. On the CPU it is
+computed by its rule (docs/fp8.md, "Gemm"): dequantize, a float32 matmul, the bias added
+in float32, the cast to the output dtype. That is what torch's CPU ``_scaled_mm`` computes
+too (the same bits where we compared, up to 256 x 256 x 256 products), but its kernel is
+orders of magnitude slower than the float32 matmul on some x86 CPUs (on an Intel Xeon with
+AVX-512 and AMX: 1.7 s for one 256 x 256 x 256 product, against 2.4 ms by rule).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+from torch.utils.flop_counter import register_flop_formula
 
 from .. import _torch_compat
 
 from ._quantize import quantize
 from ._rules import bias_grad
 
-__all__ = ["Meta", "mm", "inverse", "first_order_grads"]
+__all__ = ["Meta", "mm", "by_rule", "inverse", "first_order_grads"]
 
 _float32 = torch.float32
 _scaled_mm = torch._scaled_mm
+
+# The device types whose gemms are computed by rule, not by ``_scaled_mm``.
+# benchmarks/fp8_kernel_count.py empties it to run the CUDA path's sequence on a CPU.
+BY_RULE_ON = frozenset({"cpu"})
 
 
 @dataclass
@@ -55,16 +68,57 @@ def mm(a: torch.Tensor, b_rows: torch.Tensor, a_inv, b_inv, out_dtype, bias=None
     cuBLAS takes the first operand row-major and the second column-major, and so do
     torch.compile's lowerings: ``b_rows.T`` of a contiguous ``b_rows`` is exactly that.
     The gemm's epilogue takes a bias in its output dtype only, and none for float32 out.
+    On the devices of ``BY_RULE_ON`` (the CPU) the gemm is computed by rule (``by_rule``).
     """
-    if a_inv.numel() > 1 and a.device.type == "cpu" and not _torch_compat.SCALED_MM_ROWWISE_ON_CPU:
-        # The gemm's own rule, written out: dequantize, multiply in float32, cast.
-        y = (a.float() * a_inv) @ (b_rows.float() * b_inv.t()).t()
-        return (y if bias is None else y + bias.to(_float32)).to(out_dtype)
+    device = a.device.type
+    if device in BY_RULE_ON or (
+            a_inv.numel() > 1 and device == "cpu" and not _torch_compat.SCALED_MM_ROWWISE_ON_CPU):
+        return _scaled_mm_by_rule(a, b_rows, a_inv, b_inv, out_dtype, bias)
     if bias is not None and out_dtype == _float32:
         y = _scaled_mm(a.contiguous(), b_rows.contiguous().t(), scale_a=a_inv, scale_b=b_inv, out_dtype=_float32)
         return y + bias.to(_float32)
     return _scaled_mm(a.contiguous(), b_rows.contiguous().t(), scale_a=a_inv, scale_b=b_inv, bias=bias,
                       out_dtype=out_dtype)
+
+
+def by_rule(a: torch.Tensor, b_rows: torch.Tensor, a_inv, b_inv, out_dtype, bias=None) -> torch.Tensor:
+    """``mm`` computed by the gemm's rule, as torch's CPU ``_scaled_mm`` computes it:
+    ``(a.float() * a_inv) @ (b_rows.float() * b_inv.T).T``, the bias (any dtype) added to
+    the float32 result, then the cast to ``out_dtype``. Scales are 0-dim (tensorwise) or
+    ``(M, 1)`` and ``(1, N)`` (rowwise).
+
+    The operands are made contiguous first, as for ``_scaled_mm``: the matmul then sees
+    the layouts ``_scaled_mm``'s own float32 matmul sees.
+
+    Example::
+
+        a = torch.randn(16, 32).to(torch.float8_e4m3fn)
+        b = torch.randn(8, 32).to(torch.float8_e4m3fn)
+        y = by_rule(a, b, torch.tensor(1.0), torch.tensor(1.0), torch.bfloat16)  # (16, 8)
+    """
+    y = (a.contiguous().float() * a_inv) @ (b_rows.contiguous().float() * b_inv.t()).t()
+    if bias is not None:
+        y = y + bias.to(_float32)
+    return y.to(out_dtype)
+
+
+# One op for the whole rule: the census (diagnostics/census.py) and torch's FlopCounterMode
+# count it as one fp8 gemm of its first operand's format, as they count ``_scaled_mm``, and a
+# compiled graph holds it as one node.
+@torch.library.custom_op("dispatch_amp::scaled_mm", mutates_args=())
+def _scaled_mm_by_rule(a: torch.Tensor, b_rows: torch.Tensor, a_inv: torch.Tensor, b_inv: torch.Tensor,
+                       out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return by_rule(a, b_rows, a_inv, b_inv, out_dtype, bias)
+
+
+@_scaled_mm_by_rule.register_fake
+def _(a, b_rows, a_inv, b_inv, out_dtype, bias=None):
+    return a.new_empty((a.shape[0], b_rows.shape[0]), dtype=out_dtype)
+
+
+@register_flop_formula(torch.ops.dispatch_amp.scaled_mm)
+def _scaled_mm_flops(a_shape, b_rows_shape, *args, **kwargs) -> int:
+    return 2 * a_shape[0] * a_shape[1] * b_rows_shape[0]
 
 
 def first_order_grads(meta, dy: torch.Tensor, saved, needs):
