@@ -44,7 +44,7 @@ except ImportError:  # not installed: load the kernels folder and the two helper
         return module
 
     _root = Path(__file__).resolve().parents[1]
-    _k = _load("dispatch_amp_kernels", _root / "kernels" / "__init__.py")
+    _k = _load("dispatch_amp_kernels", _root / "src" / "dispatch_amp" / "kernels" / "__init__.py")
     unscale_check_, unscale_check_reference = _k.unscale_check_, _k.unscale_check_reference
     _markdown = _load("dispatch_amp_markdown", _root / "src" / "dispatch_amp" / "_markdown.py")
     default_device_type = _load("dispatch_amp_devices", _root / "src" / "dispatch_amp" / "_devices.py").default_device_type
