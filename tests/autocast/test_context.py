@@ -796,3 +796,32 @@ def test_a_region_opened_at_any_line_of_another_regions_entry_or_exit_leaves_bot
         assert seen == {"inner": torch.float16, "outer": outer_dtype}, f"line {k} of {in_function}: {seen}"
         assert _torch_state() == closed, f"line {k} of {in_function}: {_torch_state()} != {closed}"
         assert _engine.STATE.regions == []
+
+
+@pytest.mark.parametrize("inner", [
+    {"dtype": torch.bfloat16}, {"dtype": torch.float16}, {"enabled": False},
+    {"dtype": torch.bfloat16, "cache_enabled": False},
+], ids=["same dtype", "other dtype", "disabled", "cache off"])
+def test_a_native_region_inside_ours_under_the_builtin_policy_casts_as_native_nesting(inner):
+    # Under a built-in policy the kernels do not read torch's nesting counter (_engine's
+    # fast path): a native region inside ours must still give what native inside native
+    # gives, forward and backward, bit for bit.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.LayerNorm(8), torch.nn.Linear(8, 4))
+    x = torch.randn(4, 8)
+
+    def run(outer):
+        model.zero_grad(set_to_none=True)
+        with outer("cpu"):
+            h = model[0](x)
+            with torch.autocast("cpu", **inner):
+                y = model[3](model[2](model[1](h.float())))
+                inside = (y.dtype, torch.mm(x, x.t()).dtype)
+            z = model[0](y.float()[:, :4].repeat(1, 2))
+        (z.float().sum() + y.float().sum()).backward()
+        return inside, y, z, [p.grad for p in model.parameters()]
+
+    got, want = run(amp.autocast), run(torch.autocast)
+    assert got[0] == want[0]
+    for a, b in zip([got[1], got[2], *got[3]], [want[1], want[2], *want[3]]):
+        assert a.dtype == b.dtype and torch.equal(a, b)

@@ -45,8 +45,13 @@ has no reason to ask; a process where such a backend is loaded is refused at reg
 entry (``_dispatch_key.KeyTaken``).
 
 A native ``torch.autocast`` region opened inside ours raises torch's nesting counter
-above the value our innermost context recorded; our kernels then pass every call on to
-native's key, which gives native's rule for any nesting order: the innermost region wins.
+above the value our innermost context recorded; under a policy of one's own or an fp8
+recipe our kernels then pass every call on to native's key, which gives native's rule
+for any nesting order: the innermost region wins. Under a built-in policy without a
+recipe the kernels skip that check (two reads of torch's state per call): the native
+region's table is ours, its dtype and enabled state are torch's state, which the kernels
+follow per call, and torch's cache flag is read per cast, so ours casts there exactly as
+native would.
 
 Note: torch.compile
 -------------------
@@ -396,8 +401,13 @@ def _refresh(st: ThreadState) -> None:
     st.active = () if top is None else tuple(ctx for ctx in top.frame.values() if ctx.enabled)
     primary = st.primary = st.active[0] if len(st.active) == 1 else None
     depth = st.native_depth = -1 if top is None else top.depth
+    # The kernels' fast path. Its depth is None under a built-in policy without an fp8
+    # recipe: there a native region opened inside ours would cast as ours does (the same
+    # table; its dtype and enabled state are followed as a hand switch is), so the kernel
+    # skips the nesting counter's two reads ("Note: torch sees our state as native state").
     st.top = None if primary is None else (
-        primary, depth, primary.native_key, primary.device_type, primary.dtype, primary.handlers
+        primary, depth if primary.custom or primary.fp8 is not None else None,
+        primary.native_key, primary.device_type, primary.dtype, primary.handlers,
     )
     # Each step is recorded before it is taken and every call sets the key's state anew,
     # so a repeat after an interrupt finishes the job (see "Note: interrupts").

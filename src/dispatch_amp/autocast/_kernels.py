@@ -66,10 +66,12 @@ def make_kernel(op):
             handlers = ctx.handlers
         else:
             ctx, depth, native_key, device_type, dtype, handlers = top
-            # A native region opened inside our innermost raised torch's nesting counter.
-            _increment_nesting()
-            if _decrement_nesting() > depth:
-                return _to_native(op, args, kwargs)
+            # A native region opened inside our innermost raised torch's nesting counter
+            # (depth None: a built-in policy, where native would cast as we do: _engine).
+            if depth is not None:
+                _increment_nesting()
+                if _decrement_nesting() > depth:
+                    return _to_native(op, args, kwargs)
             # torch's state switched by hand inside the region (see the module docstring).
             if _excluded(native_key) or _get_dtype(device_type) is not dtype:
                 ctx = as_torch_says(ctx)
