@@ -11,6 +11,9 @@ process with the same torch and CPython loads it without compiling.
 - ``python -m dispatch_amp.build --check``: says whether a cached build exists for this
   torch and CPython, building nothing; exit status 0 if it does, 1 if not.
 
+It builds whatever ``DISPATCH_AMP_ENGINE`` says: that setting picks the engine when regions
+run, and ``python`` there only means a process does not load the build.
+
 Example::
 
     $ python -m dispatch_amp.build --check || python -m dispatch_amp.build
@@ -66,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - start
     if loader.build_seconds is None:
         how = "already built" if was_built else "built by another process meanwhile"
-        print(f"compiled engine: {how} {_what(key)}, cached in {loader.directory} (loaded in {seconds:.2f} s)")
+        print(f"compiled engine: {how} {_what(key)}, cached in {loader.directory} (loaded in {seconds * 1e3:.1f} ms)")
     else:
         print(f"compiled engine: built {_what(key)} in {loader.build_seconds:.1f} s, cached in {loader.directory}")
     return 0
