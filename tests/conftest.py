@@ -102,7 +102,7 @@ def aten_calls():
 # Two processes started together on an empty cache directory, as DDP ranks or dataloader
 # workers would: both must load, and only one may compile. The cache it leaves is what the
 # tests of cached loads and of `python -m dispatch_amp.build` read (tests/compiled,
-# tests/test_build.py). About half a minute on a 2-core machine.
+# tests/test_build.py). Half a minute to a minute and a half on a busy 2-core machine.
 _TOGETHER = r"""
 import json, pathlib, sys, time
 here, me = pathlib.Path(sys.argv[1]), sys.argv[2]
