@@ -390,3 +390,32 @@ def test_keep_ends_finds_the_blocks():
         PrecisionPlan.keep_ends(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="first must be"):
         PrecisionPlan.keep_ends(model, first=-1)
+
+
+def test_an_fp8_setting_inside_a_compiled_model_runs_eagerly_and_says_so():
+    # A region with a recipe cannot be traced (docs/autocast.md, "torch.compile"): the
+    # region's code runs eagerly, with the eager numbers, and autocast warns.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    seq = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+    PrecisionPlan({"1": amp.fp8.CurrentScaling()}, dtype=BF16).bind(seq)
+    x = torch.randn(16, 32)
+    with amp.autocast("cpu"):
+        want = seq(x)
+    compiled = torch.compile(seq, backend="aot_eager")
+    with pytest.warns(amp.CompileFallbackWarning), amp.autocast("cpu"):
+        got = compiled(x)
+    assert torch.equal(got, want)
+
+
+def test_unbind_refuses_when_a_later_wrapper_holds_the_plan():
+    seq = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    plan = PrecisionPlan({"0": "bf16"}).bind(seq)
+    ours = seq[0].forward
+    seq[0].forward = lambda *a: ours(*a)
+    with pytest.raises(RuntimeError, match="replaced after the plan was bound"):
+        plan.unbind()
+    assert plan.model is seq
+    seq[0].forward = ours
+    plan.unbind()
+    assert "forward" not in seq[0].__dict__

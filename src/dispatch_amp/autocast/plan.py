@@ -402,7 +402,8 @@ class PrecisionPlan:
         self._raw = dict(modules)
         self._default_raw = default
         self._settings: dict[str, _Setting] | None = None
-        self._bound: list[tuple[torch.nn.Module, object]] = []
+        # (module, our forward, its forward attribute before, the marker of none)
+        self._bound: list[tuple] = []
         self._model: torch.nn.Module | None = None
         # Check every setting now (with the device's dtype for a bare policy or recipe).
         self._resolve_settings("cpu" if device_type is None else device_type)
@@ -572,6 +573,9 @@ class PrecisionPlan:
                     f"module {name or '<root>'!r} is bound to another PrecisionPlan: unbind that one first"
                 )
             to_wrap.append((name, module, setting))
+        # Everything that can fail comes before the first module changes.
+        wrappers = [(module, _PlannedForward(_Region(setting, device_type, self.cache_enabled), module.forward))
+                    for _, module, setting in to_wrap]
         recipes = []
         for _, _, setting in to_wrap:
             if setting.fp8 is not None and all(r is not setting.fp8 for r in recipes):
@@ -579,25 +583,33 @@ class PrecisionPlan:
         for recipe in recipes:
             recipe.bind(model)
         missing = object()
-        for _, module, setting in to_wrap:
+        for module, wrapper in wrappers:
             previous = module.__dict__.get("forward", missing)
-            region = _Region(setting, device_type, self.cache_enabled)
-            module.forward = _PlannedForward(region, module.forward)
-            self._bound.append((module, previous, missing))
+            module.forward = wrapper
+            self._bound.append((module, wrapper, previous, missing))
         self._model = model
         return self
 
     def unbind(self) -> None:
         """Restores the bound model's modules as they were before ``bind`` (their
-        ``forward`` attributes); a plan never bound, or unbound, is left as it is.
+        ``forward`` attributes); a plan never bound, or unbound, is left as it is. A
+        module whose ``forward`` something else replaced after ``bind`` (a wrapper that
+        keeps ours inside) raises, and nothing changes: undo that wrapper first.
 
         Example::
 
             plan.unbind()
         """
-        for module, previous, missing in reversed(self._bound):
+        for module, wrapper, _, _ in self._bound:
+            if module.__dict__.get("forward") is not wrapper:
+                raise RuntimeError(
+                    f"the forward of {type(module).__name__} {module.__dict__.get('forward')!r} was replaced "
+                    f"after the plan was bound, so unbinding would drop that replacement: undo it first "
+                    f"(e.g. accelerate's unwrap_model(model, keep_fp32_wrapper=False)), or keep the plan bound"
+                )
+        for module, _, previous, missing in reversed(self._bound):
             if previous is missing:
-                module.__dict__.pop("forward", None)
+                del module.__dict__["forward"]
             else:
                 module.__dict__["forward"] = previous
         self._bound.clear()
