@@ -234,7 +234,10 @@ def test_plan_with_amp_checkpoint_recomputes_the_same(rest):
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
-def test_plan_bound_before_ddp_trains_as_without_ddp(tmp_path):
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+def test_plan_bound_before_ddp_or_fsdp2_trains_as_without(tmp_path, wrap):
+    # A one-process gloo group: the wrappers' hooks and collectives run as on many ranks.
+    from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     planned, _ = models(None)
@@ -245,12 +248,18 @@ def test_plan_bound_before_ddp_trains_as_without_ddp(tmp_path):
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
     try:
-        ddp = DDP(planned)
-        ddp.loss = lambda x, y: F.cross_entropy(ddp(x).reshape(-1, CFG.vocab), y.reshape(-1))
-        got = train(ddp, lambda: amp.autocast("cpu"), batches(2))
+        if wrap == "ddp":
+            wrapped = DDP(planned)
+            wrapped.loss = lambda x, y: F.cross_entropy(wrapped(x).reshape(-1, CFG.vocab), y.reshape(-1))
+        else:
+            for block in planned.blocks:
+                fully_shard(block)
+            wrapped = fully_shard(planned)
+        losses, params = train(wrapped, lambda: amp.autocast("cpu"), batches(2))
+        params = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in params]
     finally:
         dist.destroy_process_group()
-    assert_same(got, train(single, lambda: amp.autocast("cpu"), batches(2)))
+    assert_same((losses, params), train(single, lambda: amp.autocast("cpu"), batches(2)))
 
 
 def test_unbind_restores_the_model_exactly():
