@@ -46,6 +46,8 @@ __all__ = ["PrecisionPlan", "PlanEntry", "NO_FP8"]
 NO_FP8 = "no_fp8"
 
 _is_compiling = torch.compiler.is_compiling
+_Tensor = torch.Tensor
+_float32, _float64 = torch.float32, torch.float64
 
 # Names a setting's dtype may be given by (a config file, a command line).
 _DTYPE_NAMES = {
@@ -242,12 +244,26 @@ class PlanEntry:
 
 # -- regions --------------------------------------------------------------------------------
 def _to_float32(device_type: str):
+    """``(args, kwargs) -> (args, kwargs)`` with the floating tensors of the device type
+    (not float64) made float32, inside lists, tuples and dicts too, as ``custom_fwd``
+    casts them. Plain tensor arguments, the common case, skip the tree walk."""
     def cast(v):
-        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.device.type == device_type \
-                and v.dtype is not torch.float64:
-            return v.to(torch.float32)
+        if isinstance(v, _Tensor) and v.is_floating_point() and v.device.type == device_type \
+                and v.dtype is not _float64:
+            return v.to(_float32)
         return v
-    return cast
+
+    def one(v):
+        if isinstance(v, _Tensor):
+            return cast(v)
+        if isinstance(v, (list, tuple, dict)):
+            return tree_map(cast, v)
+        return v
+
+    def cast_all(args, kwargs):
+        return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
+
+    return cast_all
 
 
 class _Region:
@@ -290,7 +306,7 @@ class _Region:
                 return forward(*args, **kwargs)
             dtype = torch.get_autocast_dtype(device_type)
             if not s.enabled:
-                args, kwargs = tree_map(self._float32, (args, kwargs))
+                args, kwargs = self._float32(args, kwargs)
         else:
             dtype = s.dtype
         if _is_compiling():
