@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
+import fnmatch
 import importlib.util
 import inspect
 import pathlib
@@ -22,6 +23,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
 
 import dispatch_amp as amp
 from dispatch_amp.autocast.plan import PrecisionPlan, _Pattern
@@ -358,6 +361,8 @@ def test_bad_input_is_a_clear_error_and_changes_nothing():
         PrecisionPlan({"head": 3})
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['dtpye'\]"):
         PrecisionPlan({"head": {"dtpye": "bf16"}})
+    with pytest.raises(ValueError, match=r"pattern '\[b-a\]' is not a valid pattern"):
+        PrecisionPlan({"[b-a]": "bf16"})
     with pytest.raises(ValueError, match="empty pattern"):
         PrecisionPlan({"": "bf16"})
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['modles'\]"):
@@ -428,3 +433,32 @@ def test_unbind_refuses_when_a_later_wrapper_holds_the_plan():
     seq[0].forward = ours
     plan.unbind()
     assert "forward" not in seq[0].__dict__
+
+
+@given(
+    pattern=st.text(alphabet="ab.*?[]!-", min_size=1, max_size=8),
+    name=st.text(alphabet="ab.[]!-", max_size=8),
+)
+def test_patterns_match_as_fnmatch_does(pattern, name):
+    try:
+        compiled = _Pattern(pattern)
+    except ValueError as error:  # a reversed range: refused, where fnmatch matches nothing
+        assert "bad character range" in str(error)
+        return
+    assert (compiled.reach(name) is not None) == fnmatch.fnmatchcase(name, pattern)
+
+
+@given(names=st.lists(st.from_regex(r"[ab]{1,2}(\.[ab0-9]{1,2}){0,3}", fullmatch=True), min_size=1, max_size=6),
+       others=st.lists(st.text(alphabet="ab.*?0", min_size=1, max_size=6), max_size=4))
+def test_a_pattern_naming_the_module_itself_wins(names, others):
+    # The module's own name pins its last character with no wildcard: nothing beats it.
+    target = names[0]
+    patterns = {target: "float32", **{p: "bf16" for p in others if p != target}}
+    plan = PrecisionPlan(patterns)
+    candidates = []
+    for p in plan._patterns:
+        r = max((p.reach(a) for a in [target[:i] for i, c in enumerate(target) if c == "."] + [target]
+                 if p.reach(a) is not None), default=None)
+        if r is not None:
+            candidates.append(((r, -p.wildcards, p.literal), p.text))
+    assert max(candidates)[1] == target

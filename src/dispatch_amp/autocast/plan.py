@@ -183,8 +183,10 @@ class _Pattern:
             elif c == "[" and self._class_end(text, i) is not None:
                 j = self._class_end(text, i)
                 body = text[i + 1:j]
-                body = "^" + body[1:] if body.startswith("!") else body
-                parts.append("([" + body.replace("\\", "\\\\") + "])")
+                negate = body.startswith("!")
+                # Every character literal but a range's "-" (no nested sets, no escapes).
+                body = "".join(c if c == "-" else re.escape(c) for c in (body[1:] if negate else body))
+                parts.append("([" + ("^" if negate else "") + body + "])")
                 self.wildcards += 1
                 i = j + 1
             else:
@@ -194,7 +196,10 @@ class _Pattern:
                 parts.append(f"({re.escape(text[i:j])})")
                 self.literal += j - i
                 i = j
-        self._regex = re.compile("".join(parts) + r"\Z", re.DOTALL)
+        try:
+            self._regex = re.compile("".join(parts) + r"\Z", re.DOTALL)
+        except re.error as error:  # a reversed range, "[z-a]"
+            raise ValueError(f"pattern {text!r} is not a valid pattern: {error}") from None
 
     @staticmethod
     def _class_end(text: str, i: int) -> int | None:
