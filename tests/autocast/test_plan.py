@@ -117,7 +117,7 @@ def test_fp8_in_the_middle_trains_like_nested_regions_written_by_hand():
     recipe_hand = amp.fp8.CurrentScaling()
     planned, hand = models(lambda: amp.autocast("cpu", dtype=BF16, fp8=recipe_hand))
     hand.fp32 = lambda: amp.autocast("cpu", enabled=False)
-    PrecisionPlan.keep_ends(planned, head="head", rest=amp.fp8.CurrentScaling(), dtype=torch.float32).bind(planned)
+    PrecisionPlan.keep_ends(planned, head="head", rest=amp.fp8.CurrentScaling(), dtype=torch.bfloat16).bind(planned)
     with amp.PrecisionCensus() as census:
         got = train(planned, lambda: amp.autocast("cpu"), batches())
     want = train(hand, lambda: amp.autocast("cpu"), batches())
@@ -231,7 +231,7 @@ def test_plan_with_amp_checkpoint_recomputes_the_same(rest):
     ckpt.load_state_dict(plain.state_dict())
     for model in (plain, ckpt):
         r = amp.fp8.CurrentScaling() if rest == "fp8" else rest
-        PrecisionPlan.keep_ends(model, head="head", rest=r, dtype=torch.float32).bind(model)
+        PrecisionPlan.keep_ends(model, head="head", rest=r, dtype=torch.bfloat16).bind(model)
     assert_same(train(ckpt, lambda: amp.autocast("cpu"), batches(2)),
                 train(plain, lambda: amp.autocast("cpu"), batches(2)))
 
@@ -462,3 +462,30 @@ def test_a_pattern_naming_the_module_itself_wins(names, others):
         if r is not None:
             candidates.append(((r, -p.wildcards, p.literal), p.text))
     assert max(candidates)[1] == target
+
+
+class _InBF16(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=BF16):
+            return self.inner(x)
+
+
+def test_no_fp8_inside_a_compiled_fp8_region_traces_as_the_hand_written_region():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    seq = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+    hand = torch.nn.Sequential(copy.deepcopy(seq[0]), _InBF16(copy.deepcopy(seq[1])))
+    PrecisionPlan({"1": "no_fp8"}).bind(seq)
+    x = torch.randn(16, 32)
+    recipe = amp.fp8.CurrentScaling()
+    got_model = torch.compile(seq, backend="aot_eager", fullgraph=True)
+    want_model = torch.compile(hand, backend="aot_eager", fullgraph=True)
+    with amp.autocast("cpu", fp8=recipe):
+        got, want = got_model(x), want_model(x)
+        eager_fp8 = seq(x)  # eagerly: linear 0 in fp8, linear 1 in bfloat16
+    assert got.dtype is BF16 and torch.equal(got, want)
+    assert torch.equal(got, eager_fp8)

@@ -115,7 +115,7 @@ def test_a_census_of_a_planned_model_shows_the_plan(tmp_path):
     torch.manual_seed(0)
     cfg = M.GPTConfig(vocab=64, d_model=32, n_heads=2, n_blocks=4, max_len=16)
     model = M.GPT(cfg)
-    amp.PrecisionPlan.keep_ends(model, head="head", rest=amp.fp8.CurrentScaling(), dtype=torch.float32).bind(model)
+    amp.PrecisionPlan.keep_ends(model, head="head", rest=amp.fp8.CurrentScaling(), dtype=torch.bfloat16).bind(model)
     x, y = M.gpt_batch(cfg, 2, 8)
     with PrecisionCensus(model=model) as census:
         with amp.autocast("cpu"):

@@ -665,10 +665,10 @@ class PrecisionPlan:
     # -- helpers ----------------------------------------------------------------------------
     @classmethod
     def keep_ends(cls, model: torch.nn.Module, first: int = 1, last: int = 1, head: str | None = "lm_head",
-                  dtype: object = torch.float32, rest: object = None, blocks: str | None = None,
+                  ends: object = torch.float32, rest: object = None, blocks: str | None = None,
                   **plan_args) -> PrecisionPlan:
         """A plan keeping the first ``first`` and last ``last`` blocks and the ``head`` in
-        ``dtype`` (float32 by default), and the other blocks in ``rest`` (None: the
+        ``ends`` (float32 by default), and the other blocks in ``rest`` (None: the
         enclosing region's precision). ``blocks``: the name of the block list; None: the
         longest ``nn.ModuleList`` or ``nn.Sequential`` whose children are all of one type.
         ``plan_args`` go to ``PrecisionPlan``. The plan is not bound yet.
@@ -692,9 +692,9 @@ class PrecisionPlan:
         if rest is not None:
             modules[f"{name}.*"] = rest
         for i in keep:
-            modules[f"{name}.{i}"] = dtype
+            modules[f"{name}.{i}"] = ends
         if head is not None:
-            modules[head] = dtype
+            modules[head] = ends
         return cls(modules, **plan_args)
 
 
