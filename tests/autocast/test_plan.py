@@ -489,3 +489,19 @@ def test_no_fp8_inside_a_compiled_fp8_region_traces_as_the_hand_written_region()
         eager_fp8 = seq(x)  # eagerly: linear 0 in fp8, linear 1 in bfloat16
     assert got.dtype is BF16 and torch.equal(got, want)
     assert torch.equal(got, eager_fp8)
+
+
+def test_a_default_runs_the_compiled_model_in_its_region_without_a_with_block():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    seq = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    PrecisionPlan({"2": torch.float32}, default=torch.bfloat16).bind(seq)
+    x = torch.randn(4, 8)
+    want = seq(x)
+    got = torch.compile(seq, backend="aot_eager", fullgraph=True)(x)
+    assert want.dtype is torch.float32 and seq[0](x).dtype is torch.float32  # linear 0 alone: no region
+    with torch.autocast("cpu", dtype=BF16):
+        h = seq[1](seq[0](x))
+        with torch.autocast("cpu", enabled=False):
+            by_hand = seq[2].__dict__["forward"].__wrapped__(h.float())
+    assert torch.equal(got, want) and torch.equal(want, by_hand)

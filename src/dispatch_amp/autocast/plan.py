@@ -229,9 +229,10 @@ class _Pattern:
 
 @dataclass(frozen=True)
 class PlanEntry:
-    """How a plan resolved one module: its setting (as given, dtypes by name), the pattern that set it
-    (``None``: the plan's default, or nothing), the other patterns that applied and lost,
-    and whether its forward opens a region (its setting differs from its parent's).
+    """How a plan resolved one module: its setting (as given, dtypes by name), the
+    pattern that set it (``None``: the plan's default, or nothing), the other patterns that
+    applied and lost, and whether its forward opens a region (its setting differs from its
+    parent's).
 
     Example::
 
@@ -286,8 +287,8 @@ class _Region:
       built-in policy and no recipe; where it is off, the forward runs as it is.
 
     Eagerly one ``autocast`` object per dtype is kept, made at ``bind`` (regions are
-    re-entrant, per thread). While Dynamo traces, the region is made in the traced code: Dynamo enters
-    only context managers made inside the graph it traces. A built-in policy's region
+    re-entrant, per thread). While Dynamo traces, the region is made in the traced code:
+    Dynamo enters only context managers made inside the graph it traces. A built-in policy's region
     traces as ``torch.autocast`` (no graph break); a policy of one's own or an fp8 recipe
     cannot be traced there (``autocast`` warns, the function runs eagerly).
     """
@@ -314,11 +315,11 @@ class _Region:
                 args, kwargs = self._float32(args, kwargs)
         else:
             dtype = s.dtype
-        if _is_compiling():
-            # Dynamo enters only context managers made in the code it traces.
+        ctx = None if _is_compiling() else self._contexts.get(dtype)
+        if ctx is None:
+            # Dynamo enters only context managers made in the code it traces (and a dtype
+            # torch was set to by hand has no context made in advance).
             ctx = autocast(device_type, dtype, s.enabled, self.cache_enabled, s.policy, s.fp8)
-        else:
-            ctx = self._contexts[dtype]
         with ctx:
             return forward(*args, **kwargs)
 
