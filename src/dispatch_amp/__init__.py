@@ -19,6 +19,7 @@ __all__ = [
     "cast_cache",
     "CompileFallbackWarning",
     "Policy",
+    "PrecisionPlan",
     "custom_fwd",
     "custom_bwd",
     "checkpoint",
@@ -49,6 +50,7 @@ __all__ = [
 from .autocast import (  # noqa: E402
     CompileFallbackWarning,
     Policy,
+    PrecisionPlan,
     autocast,
     cast_cache,
     checkpoint,
