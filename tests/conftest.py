@@ -96,3 +96,67 @@ def aten_calls():
         return rec.calls
 
     return record
+
+
+# -- the compiled engine, built once per test session ------------------------------------------
+# Two processes started together on an empty cache directory, as DDP ranks or dataloader
+# workers would: both must load, and only one may compile. The cache it leaves is what the
+# tests of cached loads and of `python -m dispatch_amp.build` read (tests/compiled,
+# tests/test_build.py). Half a minute to a minute and a half on a busy 2-core machine.
+_TOGETHER = r"""
+import json, pathlib, sys, time
+here, me = pathlib.Path(sys.argv[1]), sys.argv[2]
+from dispatch_amp._compiled import loader  # torch imported before the start line, not in the race
+(here / f"ready-{me}").touch()
+while not (here / "go").exists():
+    time.sleep(0.005)
+module = loader.load(required=True)
+print(json.dumps({"built_against": module.built_against(), "build_seconds": loader.PROCESS_LOADER.build_seconds,
+                  "directory": str(loader.PROCESS_LOADER.directory)}))
+"""
+
+
+class CompiledBuild:
+    """What the session's build left: the cache root, and each process's (rc, stdout, stderr)."""
+
+    def __init__(self, root, runs, seconds):
+        import json
+        import pathlib
+
+        self.root, self.runs, self.seconds = pathlib.Path(root), runs, seconds
+        self.results = [json.loads(out.strip().splitlines()[-1]) if rc == 0 and out.strip() else None
+                        for rc, out, _ in runs]
+
+    def env(self, **extra):
+        """The environment of a process that uses this cache."""
+        return {**os.environ, "DISPATCH_AMP_CACHE_DIR": str(self.root), **extra}
+
+
+@pytest.fixture(scope="session")
+def compiled_build(tmp_path_factory):
+    import subprocess
+    import sys
+    import time
+
+    sync = tmp_path_factory.mktemp("start-line")
+    root = tmp_path_factory.mktemp("engine-cache")
+    env = {**os.environ, "DISPATCH_AMP_CACHE_DIR": str(root)}
+    env.pop("DISPATCH_AMP_ENGINE", None)
+    procs = [subprocess.Popen([sys.executable, "-c", _TOGETHER, str(sync), str(i)], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
+    deadline = time.monotonic() + 300
+    while not all((sync / f"ready-{i}").exists() for i in range(2)):
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            break
+        time.sleep(0.01)
+    start = time.perf_counter()
+    (sync / "go").touch()
+    runs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+        runs.append((p.returncode, out, err))
+    return CompiledBuild(root, runs, time.perf_counter() - start)

@@ -187,3 +187,51 @@ def test_corpus_ships_with_the_package():
 def test_char_gpt_shapes():
     model = demo.CharGPT(vocab=10, d=12, heads=2, layers=1, seq=8)
     assert model(torch.randint(0, 10, (2, 8))).shape == (2, 8, 10)
+
+
+class _BuiltNow:
+    """A process loader whose build ran in this process, as on a machine's first run."""
+
+    def __init__(self, directory):
+        self.build_seconds, self.directory = 12.3, directory
+
+
+def _stop_at_the_first_run(monkeypatch, events):
+    def first_run(*args, **kwargs):
+        events.append("run")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "_train_run", first_run)
+
+
+def test_a_build_of_the_compiled_engine_is_said_once_before_any_step(tmp_path, capsys, monkeypatch):
+    events = []
+    _stop_at_the_first_run(monkeypatch, events)
+    monkeypatch.setattr(demo._engine_choice, "compiled_module", lambda quiet=False: events.append(quiet) or object())
+    monkeypatch.setattr(demo._engine_loader, "PROCESS_LOADER", _BuiltNow(tmp_path / "engine"))
+    assert demo.main(SMALL + ["--no-plot", "--table", str(tmp_path / "demo.md")]) == 130
+    assert events == [True, "run"]  # decided (quietly: the demo says it) before the first run
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if "engine" in line]
+    assert lines == [f"dispatch_amp engine: compiled, built now in 12 s (once per torch release, before the first "
+                     f"step: no row counts it; cached in {tmp_path / 'engine'})"]
+    assert out.index(lines[0]) < out.index("| run |")
+
+
+@pytest.mark.parametrize("module, name", [(None, "python"), (object(), "compiled")])
+def test_the_demo_names_its_engine(tmp_path, capsys, monkeypatch, module, name):
+    _stop_at_the_first_run(monkeypatch, [])
+    monkeypatch.setattr(demo._engine_choice, "compiled_module", lambda quiet=False: module)
+    monkeypatch.setattr(demo._engine_loader, "PROCESS_LOADER", demo._engine_loader.Loader())  # nothing built here
+    assert demo.main(SMALL + ["--no-plot", "--table", str(tmp_path / "demo.md")]) == 130
+    assert f"\ndispatch_amp engine: {name}\n" in capsys.readouterr().out
+
+
+def test_a_required_engine_that_cannot_build_stops_the_demo_with_the_cause(tmp_path, monkeypatch):
+    from dispatch_amp._compiled import loader
+
+    monkeypatch.setenv("DISPATCH_AMP_ENGINE", "compiled")
+    monkeypatch.setenv("CXX", "/nonexistent")
+    monkeypatch.setattr(loader, "PROCESS_LOADER", loader.Loader(root=tmp_path))
+    with pytest.raises(SystemExit, match="DISPATCH_AMP_ENGINE=compiled: .*'/nonexistent'"):
+        demo.main(SMALL + ["--no-plot", "--table", str(tmp_path / "demo.md")])

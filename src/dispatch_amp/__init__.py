@@ -19,6 +19,7 @@ __all__ = [
     "cast_cache",
     "CompileFallbackWarning",
     "Policy",
+    "PrecisionPlan",
     "custom_fwd",
     "custom_bwd",
     "checkpoint",
@@ -39,6 +40,8 @@ __all__ = [
     "plot_training",
     "patch_torch",
     "fp8",
+    "engine",
+    "CompiledEngineWarning",
 ]
 
 # Loading the subpackage ``autocast`` binds it here under that name; this import then
@@ -47,6 +50,7 @@ __all__ = [
 from .autocast import (  # noqa: E402
     CompileFallbackWarning,
     Policy,
+    PrecisionPlan,
     autocast,
     cast_cache,
     checkpoint,
@@ -69,6 +73,8 @@ from .opt_levels import (  # noqa: E402
 )
 from .torch_patch import patch_torch  # noqa: E402
 from . import fp8  # noqa: E402
+from ._compiled import engine  # noqa: E402  (builds nothing at import: see _compiled/loader.py)
+from .warning_types import CompiledEngineWarning  # noqa: E402
 from . import _pickled_paths  # noqa: E402
 
 _pickled_paths.register(__name__)  # scalers and policies pickled before the parts existed

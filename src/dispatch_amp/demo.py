@@ -14,6 +14,10 @@ exits with status 130. The step time is the median over each run's steps after t
 state), on ``torch.utils.benchmark``'s clock (the accelerator synchronized); a line under
 the table says so. ``python -m benchmarks`` gives the careful, interleaved speed comparison.
 
+Before the first step the demo settles which engine runs our regions (``amp.engine()``)
+and prints it; where the compiled engine is built then, that line says so, with the
+build's time, which no row counts.
+
 The table's rows go to stdout; the progress bars to stderr, and only when stderr is a
 terminal, so that a log of the output (``> demo.log 2>&1``) holds whole rows.
 
@@ -42,6 +46,8 @@ from torch import nn
 from torch.utils.benchmark import timer as clock
 
 from . import GradScaler, _markdown, autocast
+from ._compiled import choice as _engine_choice
+from ._compiled import loader as _engine_loader
 from ._devices import default_device_type, device_available
 from ._peak_rss import peak_rss_mb, reset_peak_rss
 from .diagnostics.census import PrecisionCensus
@@ -333,6 +339,25 @@ def _progress_bar(stream=None):
     return lambda it, desc="": tqdm(it, desc=desc, leave=False, file=stream, dynamic_ncols=True)
 
 
+def _engine_line() -> str:
+    """Decides the engine before any step is timed, and says which: a build of the compiled
+    engine made now is said here, once, with its time, and no row counts it.
+
+    Example::
+
+        print(_engine_line())   # "engine: compiled" (or python), plus the build if one ran now
+    """
+    try:
+        name = "python" if _engine_choice.compiled_module(quiet=True) is None else "compiled"
+    except _engine_loader.CompiledEngineError as error:  # DISPATCH_AMP_ENGINE=compiled that cannot build
+        raise SystemExit(str(error)) from None
+    seconds = _engine_loader.PROCESS_LOADER.build_seconds
+    if name == "compiled" and seconds is not None:
+        return (f"dispatch_amp engine: compiled, built now in {seconds:.0f} s (once per torch release, "
+                f"before the first step: no row counts it; cached in {_engine_loader.PROCESS_LOADER.directory})")
+    return f"dispatch_amp engine: {name}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dispatch_amp.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=150, help="training steps per run (default 150)")
@@ -370,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"dispatch-amp demo: char GPT on {len(text) / 1e3:.0f} KB of text, {args.steps} steps, "
           f"{device.type}, {str(dtype).replace('torch.', '')}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
+    print(_engine_line(), flush=True)
     progress = _progress_bar()
     names, align = _table_header(dtype)
     print()

@@ -6,7 +6,7 @@ raised from any level of the engine without an import circle.
 
 from __future__ import annotations
 
-__all__ = ["AmpNumericsWarning", "CompileFallbackWarning"]
+__all__ = ["AmpNumericsWarning", "CompileFallbackWarning", "CompiledEngineWarning"]
 
 
 class AmpNumericsWarning(RuntimeWarning):
@@ -31,4 +31,17 @@ class CompileFallbackWarning(UserWarning):
     Example::
 
         warnings.simplefilter("error", amp.CompileFallbackWarning)   # make it fatal
+    """
+
+
+class CompiledEngineWarning(UserWarning):
+    """The compiled (C++) engine could not be built or loaded in this process, so the
+    Python engine runs: the same casts, more host time per op. The message names the
+    cause (no C++ compiler, no ninja, the compiler's first error lines, a cache directory
+    that cannot be written) and its fix. It is issued once per process; nothing is
+    retried until the next one. ``DISPATCH_AMP_ENGINE=python`` skips the attempt.
+
+    Example::
+
+        warnings.simplefilter("error", amp.CompiledEngineWarning)   # require the compiled engine
     """

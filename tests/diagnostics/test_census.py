@@ -68,3 +68,99 @@ def test_reentering_an_active_census_is_an_error():
     with census:
         with pytest.raises(RuntimeError, match="already active"):
             census.__enter__()
+
+
+# -- per module ------------------------------------------------------------------------------
+def _gpt_models():
+    import importlib.util
+    import pathlib
+    import sys
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "models.py"
+    spec = importlib.util.spec_from_file_location("_dispatch_amp_bench_models", path)
+    models = sys.modules.get(spec.name)
+    if models is None:
+        models = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = models
+        spec.loader.exec_module(models)
+    return models
+
+
+def test_per_module_view_counts_each_forward_own_ops():
+    model = tiny()
+    x = torch.randn(5, 8)
+    with PrecisionCensus(model=model) as census:
+        with amp.autocast("cpu"):
+            loss = model(x).float().sum()
+        loss.backward()
+    rows = census.by_module()
+    assert list(rows) == ["<root>", "0", "1", "2", amp.diagnostics.census.NO_MODULE]
+    assert rows["0"].compute_dtype is torch.bfloat16 and rows["0"].flops == {torch.bfloat16: 2 * 5 * 8 * 16}
+    assert rows["2"].flops == {torch.bfloat16: 2 * 5 * 16 * 4}
+    # Linear 0 casts x, W1 and b1 to bf16 (three casts), linear 2 casts W2 and b2.
+    assert (rows["0"].casts, rows["0"].cast_bytes) == (3, 2 * (5 * 8 + 16 * 8 + 16))
+    assert (rows["2"].casts, rows["2"].cast_bytes) == (2, 2 * (4 * 16 + 4))
+    assert not any(m.fp8 for m in rows.values())
+    # The backward ran outside every forward.
+    assert rows[amp.diagnostics.census.NO_MODULE].flops
+    # The totals are the per-op view's.
+    assert sum(m.cast_bytes for m in rows.values()) == census.cast_bytes
+    assert census.as_dict()["modules"][1]["module"] == "0"
+
+
+def test_a_census_of_a_planned_model_shows_the_plan(tmp_path):
+    import csv
+
+    M = _gpt_models()
+    torch.manual_seed(0)
+    cfg = M.GPTConfig(vocab=64, d_model=32, n_heads=2, n_blocks=4, max_len=16)
+    model = M.GPT(cfg)
+    amp.PrecisionPlan.keep_ends(model, head="head", rest=amp.fp8.CurrentScaling(), dtype=torch.bfloat16).bind(model)
+    x, y = M.gpt_batch(cfg, 2, 8)
+    with PrecisionCensus(model=model) as census:
+        with amp.autocast("cpu"):
+            loss = model.loss(x, y)
+        loss.backward()
+    rows = census.by_module()
+    assert rows["head"].compute_dtype is torch.float32 and not rows["head"].fp8
+    for i in (0, 3):
+        assert rows[f"blocks.{i}.fc"].compute_dtype is torch.float32 and not rows[f"blocks.{i}.fc"].fp8
+    for i in (1, 2):
+        assert rows[f"blocks.{i}.fc"].fp8 and rows[f"blocks.{i}.proj"].fp8
+        assert rows[f"blocks.{i}.attn"].fp8  # the in-projection's linear
+    table = census.module_table()
+    assert table.splitlines()[0] == "| module | compute dtype | calls | FLOPs by dtype | casts | cast bytes | fp8 gemms |"
+    assert "| head | float32 |" in table
+    path = tmp_path / "modules.csv"
+    census.module_csv(path)
+    with open(path, newline="") as f:
+        read = list(csv.DictReader(f))
+    by_name = {r["module"]: r for r in read}
+    assert by_name["head"]["compute dtype"] == "float32" and by_name["blocks.1.fc"]["fp8 gemms"] == "1"
+    assert by_name["blocks.1.fc"]["FLOPs by dtype"].startswith("float8_e4m3fn:")
+
+    # The same model with the middle in bfloat16: the middle blocks' linears in bfloat16.
+    torch.manual_seed(0)
+    model = M.GPT(cfg)
+    amp.PrecisionPlan.keep_ends(model, head="head", rest=torch.bfloat16).bind(model)
+    with PrecisionCensus(model=model) as census, amp.autocast("cpu"):
+        model.loss(x, y)
+    rows = census.by_module()
+    assert rows["head"].compute_dtype is torch.float32
+    assert rows["blocks.1.fc"].compute_dtype is torch.bfloat16 and rows["blocks.0.fc"].compute_dtype is torch.float32
+
+
+def test_per_module_view_needs_the_model_and_unhooks():
+    model = tiny()
+    with PrecisionCensus() as census:
+        model(torch.randn(2, 8))
+    with pytest.raises(RuntimeError, match="model=model"):
+        census.by_module()
+    with pytest.raises(TypeError, match="nn.Module"):
+        PrecisionCensus(model="model")
+    census = PrecisionCensus(model=model)
+    with census:
+        model(torch.randn(2, 8))
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    with pytest.raises(TypeError, match="path or an open text file"):
+        census.module_csv(3)

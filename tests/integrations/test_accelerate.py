@@ -233,3 +233,35 @@ def test_log_amp_metrics_reaches_the_accelerators_trackers():
     assert all(row.keys() == recorder.rows[0][1].keys() for _, row in recorder.rows)
     assert [row["amp/overflow_params"] for _, row in recorder.rows] == overflowing
     assert overflowing[2] > 0 and overflowing[:2] + overflowing[3:] == [0, 0, 0]
+
+
+def test_a_precision_plan_bound_before_prepare_trains_as_with_our_region_by_hand(same):
+    # The plan is bound to the model before prepare(); accelerate's forward wrapper opens
+    # our region around the model, inside which the plan's regions open.
+    def planned():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        plan = amp.PrecisionPlan({"2": torch.float32}).bind(model)
+        return model, plan, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    accelerator = _ours("bf16")
+    model, plan, opt = planned()
+    model, opt = accelerator.prepare(model, opt)
+    ours = _train(accelerator, model, opt, 3)
+
+    by_hand, _, opt = planned()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+    losses = []
+    for _ in range(3):
+        with amp.autocast("cpu", dtype=torch.bfloat16):
+            out = by_hand(x)
+        assert out.dtype is torch.float32  # the last linear ran in float32
+        loss = torch.nn.functional.mse_loss(out.float(), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(by_hand.parameters(), 1.0)  # as _train does
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    assert same(ours[0], losses) and same(list(model.parameters()), list(by_hand.parameters()))
+    plan.unbind()  # the plan's wrapper is on the inner module, which prepare() left alone

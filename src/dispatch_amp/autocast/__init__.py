@@ -9,7 +9,8 @@ walks attributes down from ``dispatch_amp``, finds the class and raises ImportEr
 
 Modules: ``context.py`` (the region), ``policy.py`` and ``op_tables.py`` (which op runs in
 which precision), ``custom_function.py`` (``custom_fwd``/``custom_bwd``),
-``checkpoint.py`` (recomputation under the forward's policy), and the engine: ``_engine.py``
+``checkpoint.py`` (recomputation under the forward's policy), ``plan.py`` (precision by
+module path: ``PrecisionPlan``), and the engine: ``_engine.py``
 (regions; its notes explain the design), ``_dispatch_key.py`` and ``_kernels.py`` (kernels
 in the dispatcher), ``_routing.py`` and ``_handlers.py`` (one handler per cast kind),
 ``_casting.py``, ``_cast_cache.py``, ``_cudnn_rnn.py``, ``_fp8_handler.py``,
@@ -35,6 +36,7 @@ from .context import (
     is_autocast_enabled,
 )
 from .custom_function import custom_bwd, custom_fwd
+from .plan import PrecisionPlan
 from .policy import Policy
 
 __all__ = [
@@ -45,6 +47,7 @@ __all__ = [
     "cast_cache",
     "CompileFallbackWarning",
     "Policy",
+    "PrecisionPlan",
     "custom_fwd",
     "custom_bwd",
     "checkpoint",

@@ -12,6 +12,15 @@ bytes written by dtype casts. It answers "does my model really run in 16 bits?":
     print(census.table())       # per op and dtype: calls, FLOPs, cast bytes
     log(census.as_dict())       # the same numbers, for a logger
 
+Given the model (``PrecisionCensus(model=model)``), it also counts per module: the ops each
+module's forward ran itself (not those of its submodules), by dtype, the casts they made,
+and whether fp8 gemms ran there; ``module_table()`` prints it, ``module_csv(path)`` writes
+it. That is how to check that a ``PrecisionPlan`` took effect::
+
+    with amp.PrecisionCensus(model=model) as census, amp.autocast("cpu"):
+        model(x)
+    print(census.module_table())   # module | compute dtype | calls | FLOPs by dtype | casts | fp8
+
 The census observes; it changes no dtype. It runs beside ``autocast`` (enter it inside
 or outside) and also without it. Each op costs a Python call while it is active, so use
 it for a few steps, not for a whole run.
@@ -19,6 +28,9 @@ it for a few steps, not for a whole run.
 
 from __future__ import annotations
 
+import csv
+import io
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -30,7 +42,11 @@ from torch.utils.flop_counter import flop_registry
 from .. import _markdown
 from ..fp8._rules import ALL_FP8_DTYPES as _FP8_DTYPES
 
-__all__ = ["PrecisionCensus", "OpCount"]
+__all__ = ["PrecisionCensus", "OpCount", "ModuleCount", "NO_MODULE"]
+
+#: The module name ops run outside every module's forward are counted under (the loss,
+#: the backward, the optimizer).
+NO_MODULE = "(no module)"
 
 _CAST_OPS = {torch.ops.aten._to_copy.default}
 
@@ -42,6 +58,42 @@ class OpCount:
     calls: int = 0
     flops: int = 0
     cast_bytes: int = 0
+
+
+@dataclass
+class ModuleCount:
+    """What one module's forward ran itself (its submodules' ops are theirs): calls and
+    FLOPs per compute dtype, the dtype casts it made and their bytes, its fp8 gemms.
+
+    Example::
+
+        >>> m = ModuleCount({torch.bfloat16: 3}, {torch.bfloat16: 96})
+        >>> m.compute_dtype, m.fp8
+        (torch.bfloat16, False)
+    """
+
+    calls: dict = field(default_factory=dict)
+    flops: dict = field(default_factory=dict)
+    casts: int = 0
+    cast_bytes: int = 0
+    fp8_gemms: int = 0
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The dtype of most of its FLOPs; without FLOPs, of most of its floating calls."""
+        if self.flops:
+            return max(self.flops.items(), key=lambda kv: kv[1])[0]
+        floating = {d: c for d, c in self.calls.items() if d is not None and d.is_floating_point}
+        return max(floating.items(), key=lambda kv: kv[1])[0] if floating else None
+
+    @property
+    def fp8(self) -> bool:
+        """Whether an fp8 gemm ran in it."""
+        return self.fp8_gemms > 0
+
+
+def _dtype_name(dtype) -> str:
+    return "-" if dtype is None else str(dtype).replace("torch.", "")
 
 
 def _compute_dtype(args, out) -> torch.dtype | None:
@@ -71,9 +123,13 @@ def _human_bytes(n: float) -> str:
 
 
 class _CensusMode(TorchDispatchMode):
-    def __init__(self, counts):
+    def __init__(self, counts, modules=None, stack=None):
         super().__init__()
         self.counts = counts
+        # Per module (None: no model given): name -> ModuleCount; the names of the
+        # forwards running, innermost last.
+        self.modules = modules
+        self.stack = stack
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -81,41 +137,103 @@ class _CensusMode(TorchDispatchMode):
         dtype = _compute_dtype(args, out)
         entry = self.counts[(func.overloadpacket.__name__, dtype)]
         entry.calls += 1
+        flops = cast_bytes = 0
         formula = flop_registry.get(func.overloadpacket)
         if formula is not None:
-            entry.flops += int(formula(*args, **kwargs, out_val=out))
-        if func in _CAST_OPS and isinstance(out, torch.Tensor) and dtype is not out.dtype:
-            entry.cast_bytes += out.numel() * out.element_size()
+            flops = int(formula(*args, **kwargs, out_val=out))
+            entry.flops += flops
+        cast = func in _CAST_OPS and isinstance(out, torch.Tensor) and dtype is not out.dtype
+        if cast:
+            cast_bytes = out.numel() * out.element_size()
+            entry.cast_bytes += cast_bytes
+        if self.modules is not None:
+            name = self.stack[-1] if self.stack else NO_MODULE
+            m = self.modules.get(name)
+            if m is None:
+                m = self.modules[name] = ModuleCount()
+            m.calls[dtype] = m.calls.get(dtype, 0) + 1
+            if flops:
+                m.flops[dtype] = m.flops.get(dtype, 0) + flops
+                if dtype in _FP8_DTYPES:
+                    m.fp8_gemms += 1
+            if cast:
+                m.casts += 1
+                m.cast_bytes += cast_bytes
         return out
 
 
 @dataclass
 class PrecisionCensus:
-    """Counts aten ops per op and per dtype while active: calls, FLOPs, cast bytes.
+    """Counts aten ops per op and per dtype while active: calls, FLOPs, cast bytes; with
+    ``model``, per module of it too (``by_module()``, ``module_table()``, ``module_csv()``).
 
     Example::
 
-        with amp.PrecisionCensus() as census, amp.autocast("cpu"):
+        with amp.PrecisionCensus(model=model) as census, amp.autocast("cpu"):
             model(x)
         census.matmul_flops_fraction(torch.bfloat16)   # e.g. 1.0
         census.as_dict()["cast_bytes"]
+        print(census.module_table())
     """
 
     counts: dict = field(default_factory=lambda: defaultdict(OpCount))
+    #: The model whose modules the per-module view names (None: no per-module view).
+    model: torch.nn.Module | None = field(default=None, kw_only=True, repr=False)
 
     def __post_init__(self):
         self._mode: _CensusMode | None = None
+        if self.model is not None and not isinstance(self.model, torch.nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(self.model).__name__}")
+        # Module name -> ModuleCount, in the order the modules first ran.
+        self.modules: dict[str, ModuleCount] = {}
+        self._stack: list[str] = []
+        self._hooks: list = []
 
     def __enter__(self) -> PrecisionCensus:
         if self._mode is not None:
             raise RuntimeError("this PrecisionCensus is already active; use a new one to nest")
-        self._mode = _CensusMode(self.counts)
-        self._mode.__enter__()
+        if self.model is not None:
+            self._watch(self.model)
+        self._mode = _CensusMode(self.counts, self.modules if self.model is not None else None, self._stack)
+        try:
+            self._mode.__enter__()
+        except BaseException:
+            self._mode = None
+            self._unwatch()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
         mode, self._mode = self._mode, None
-        mode.__exit__(*exc)
+        try:
+            mode.__exit__(*exc)
+        finally:
+            self._unwatch()
+
+    def _watch(self, model: torch.nn.Module) -> None:
+        """Hooks on every module's forward: its name is the innermost while it runs (the
+        post hook runs also when the forward raises)."""
+        stack, modules = self._stack, self.modules
+        for name, module in model.named_modules():
+            label = name or "<root>"
+
+            def enter(module, args, label=label):
+                stack.append(label)
+                if label not in modules:  # listed in the order modules first run
+                    modules[label] = ModuleCount()
+
+            def leave(module, args, output, label=label):
+                if stack and stack[-1] == label:
+                    stack.pop()
+
+            self._hooks.append(module.register_forward_pre_hook(enter))
+            self._hooks.append(module.register_forward_hook(leave, always_call=True))
+
+    def _unwatch(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self._stack.clear()
 
     # -- reading ------------------------------------------------------------------------
     def flops_by_dtype(self) -> dict[torch.dtype, int]:
@@ -172,8 +290,9 @@ class PrecisionCensus:
         return f"{head}; {_human_bytes(self.cast_bytes)} of casts ({self.calls} aten calls)"
 
     def as_dict(self) -> dict:
-        """Plain numbers for logging: totals and a per-op list."""
-        return {
+        """Plain numbers for logging: totals and a per-op list (and, with a model, a
+        per-module list)."""
+        out = {
             "calls": self.calls,
             "cast_bytes": self.cast_bytes,
             "flops_by_dtype": {str(d): f for d, f in self.flops_by_dtype().items()},
@@ -183,6 +302,74 @@ class PrecisionCensus:
                 for (op, dtype), c in sorted(self.counts.items(), key=lambda kv: (kv[0][0], str(kv[0][1])))
             ],
         }
+        if self.model is not None:
+            out["modules"] = [
+                {"module": name, "compute_dtype": str(m.compute_dtype),
+                 "calls": {str(d): c for d, c in m.calls.items()}, "flops": {str(d): f for d, f in m.flops.items()},
+                 "casts": m.casts, "cast_bytes": m.cast_bytes, "fp8_gemms": m.fp8_gemms}
+                for name, m in self.by_module().items()
+            ]
+        return out
+
+    # -- per module -------------------------------------------------------------------------
+    def by_module(self) -> dict[str, ModuleCount]:
+        """Module name (``"<root>"``: the model's own forward) -> what its forward ran
+        itself, for every module that ran, in the order they first ran; ops outside every forward (the loss,
+        the backward) under ``NO_MODULE``. Needs ``PrecisionCensus(model=...)``.
+
+        Example::
+
+            census.by_module()["head"].compute_dtype     # torch.float32 under a plan that says so
+        """
+        if self.model is None:
+            raise RuntimeError("the per-module view needs the model: PrecisionCensus(model=model)")
+        rows = {n: m for n, m in self.modules.items() if n != NO_MODULE}
+        if NO_MODULE in self.modules:
+            rows[NO_MODULE] = self.modules[NO_MODULE]
+        return rows
+
+    _MODULE_HEAD = ["module", "compute dtype", "calls", "FLOPs by dtype", "casts", "cast bytes", "fp8 gemms"]
+
+    def _module_rows(self, human: bool) -> list[list]:
+        rows = []
+        for name, m in self.by_module().items():
+            if human:
+                flops = ", ".join(f"{_dtype_name(d)} {_human_count(f)}" for d, f in m.flops.items())
+                rows.append([name, _dtype_name(m.compute_dtype), sum(m.calls.values()), flops, m.casts,
+                             _human_bytes(m.cast_bytes) if m.cast_bytes else "", m.fp8_gemms or ""])
+            else:
+                flops = ";".join(f"{_dtype_name(d)}:{f}" for d, f in m.flops.items())
+                rows.append([name, _dtype_name(m.compute_dtype), sum(m.calls.values()), flops, m.casts,
+                             m.cast_bytes, m.fp8_gemms])
+        return rows
+
+    def module_table(self) -> str:
+        """The per-module view as a Markdown table: per module, the compute dtype of its
+        ops (that of most of its FLOPs, else of most of its calls), its calls, FLOPs per
+        dtype, the dtype casts it made, and its fp8 gemms.
+
+        Example::
+
+            print(census.module_table())
+        """
+        return _markdown.table(self._MODULE_HEAD, self._module_rows(human=True), align="llrlrrr")
+
+    def module_csv(self, path_or_file) -> None:
+        """Writes the per-module view as CSV (a header row, then one row per module; FLOPs
+        as ``dtype:flops`` pairs joined by ``;``) to a path or an open text file.
+
+        Example::
+
+            census.module_csv("census_by_module.csv")
+        """
+        rows = [self._MODULE_HEAD] + self._module_rows(human=False)
+        if isinstance(path_or_file, (str, os.PathLike)):
+            with open(path_or_file, "w", newline="") as f:
+                csv.writer(f).writerows(rows)
+        elif isinstance(path_or_file, io.TextIOBase) or hasattr(path_or_file, "write"):
+            csv.writer(path_or_file).writerows(rows)
+        else:
+            raise TypeError(f"module_csv takes a path or an open text file, got {type(path_or_file).__name__}")
 
     def table(self, limit: int | None = 20) -> str:
         """A Markdown table of the ops with the most FLOPs, then the most calls."""
