@@ -29,8 +29,9 @@ _SCRIPT = textwrap.dedent("""
 
 
 def test_the_floor_sees_the_engines_calls_and_cleans_up():
+    env = {**os.environ, "DISPATCH_AMP_ENGINE": "python"}
     out = subprocess.run([sys.executable, "-c", _SCRIPT.format(root=str(ROOT))], capture_output=True,
-                         text=True, timeout=600, cwd=ROOT)
+                         text=True, timeout=600, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     rows = [line.rsplit(" ", 3) for line in lines[:-1]]
