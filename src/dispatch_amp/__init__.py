@@ -39,6 +39,8 @@ __all__ = [
     "plot_training",
     "patch_torch",
     "fp8",
+    "config",
+    "policy_diff",
 ]
 
 # Loading the subpackage ``autocast`` binds it here under that name; this import then
@@ -69,6 +71,8 @@ from .opt_levels import (  # noqa: E402
 )
 from .torch_patch import patch_torch  # noqa: E402
 from . import fp8  # noqa: E402
+from . import config  # noqa: E402
+from .config import policy_diff  # noqa: E402
 from . import _pickled_paths  # noqa: E402
 
 _pickled_paths.register(__name__)  # scalers and policies pickled before the parts existed
