@@ -30,3 +30,8 @@ def test_special_floats_and_lines():
     assert _toml.line_of(text, "rules.fp32", "aten::mmm") == 5
     assert _toml.line_of(text, "rules", None) == 3
     assert _toml.line_of(text, "nothing", "absent") is None
+
+
+def test_a_key_ending_in_a_newline_is_quoted():
+    # A regular expression's "$" matches before a final newline: such a key is not bare.
+    assert tomllib.loads(_toml.dumps({"0\n": False, "a b": {"c\n": 1}})) == {"0\n": False, "a b": {"c\n": 1}}

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 __all__ = ["dumps", "line_of"]
 
-_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def _string(s: str) -> str:
@@ -35,7 +35,7 @@ def _string(s: str) -> str:
 def _key(k) -> str:
     if not isinstance(k, str):
         raise TypeError(f"a TOML key is a string, got {k!r}")
-    return k if _BARE_KEY.match(k) else _string(k)
+    return k if _BARE_KEY.fullmatch(k) else _string(k)
 
 
 def _value(v) -> str:
