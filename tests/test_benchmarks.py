@@ -121,3 +121,19 @@ def test_host_cost_breakdown_swaps_the_lower_calls_and_restores_them():
     with amp.autocast("cpu"):
         torch.mm(a, a)
     assert seen == ["aten.mm.default"]
+
+
+def test_a_ratio_cell_holds_the_estimate_and_its_interval():
+    from benchmarks.suites.common import Table, ratio_columns
+    from benchmarks.timing import prefixed, ratio_stats
+
+    st = ratio_stats([1.1, 1.0, 2.0], [1.0, 2.0, 1.05])
+    table = Table("t: x", [("model", "model", "{}"), *ratio_columns("step_", "step ours/native")],
+                  [{"model": "m", **prefixed(st, "step_")}, {"model": "n", "step_ratio": "failed: no build"}, {}])
+    lines = table.markdown().splitlines()
+    assert lines[2] == ("| model | step ours/native, median of per-round ratios [95%] "
+                        "| step ours/native, ratio of medians [95%] |")
+    assert lines[4] == (f"| m | 1.100 [{st['ratio_lo']:.3f}, {st['ratio_hi']:.3f}] | 1.048 "
+                        f"[{st['ratio_of_medians_lo']:.3f}, {st['ratio_of_medians_hi']:.3f}] |")
+    assert lines[5] == "| n | failed: no build | - |"  # a text in the estimate's place is printed as it is
+    assert lines[6] == "| - | - | - |"
