@@ -71,7 +71,7 @@ class GPT(nn.Module):
 # GPT-2's shapes, the vocabulary padded to a multiple of 64 (50257 -> 50304) as nanoGPT does.
 # At the benchmarks' batches an H100 step of small (8 x 1024 tokens) is host-bound: the
 # device idles while the host issues its ops, so host time ours adds shows in the step.
-# Medium (16 x 1024 tokens, about 6x the arithmetic per step) keeps the device busy, so
+# Medium (16 x 1024 tokens, about 5.7x the matrix arithmetic per step) keeps the device busy, so
 # host time should hide behind it: the GPU-bound model beside the host-bound ones.
 GPT2_SMALL = GPTConfig(vocab=50304, d_model=768, n_heads=12, n_blocks=12, max_len=1024)
 GPT2_MEDIUM = GPTConfig(vocab=50304, d_model=1024, n_heads=16, n_blocks=24, max_len=1024)
