@@ -2,11 +2,14 @@
 
 On a GPU whose step is host-bound every microsecond of Python shows. This suite measures
 the host time ours adds over native autocast on models that keep real models' op
-structure at trivial widths, and how often the engine's Python runs:
+structure at trivial widths, and how often the engine's Python runs. Each engine
+(``DISPATCH_AMP_ENGINE=python``, ``=compiled``) is measured in a process of its own and
+the rows are merged, with a column naming the engine that ran (``run``, ``child``):
 
 1. Added host time per forward and per training step (forward, loss, backward, SGD step),
    ours against native, interleaved in rotating order; the median of per-round
-   differences (ms) and of per-round ratios. Models: GPT-2 small's structure (12
+   differences (ms) and, for the step, both ratio estimators with their bootstrap
+   intervals (``timing.ratio_stats``). Models: GPT-2 small's structure (12
    pre-norm blocks, 12 heads, tied head; d_model 48), ResNet-50's (bottleneck blocks 3,
    4, 6, 3; width 4, 32x32 images), and the 24-layer residual MLP (width 64, batch 16).
 2. Entries into our Python (``PythonEntries``: frames of dispatch_amp entered from code
@@ -19,7 +22,7 @@ structure at trivial widths, and how often the engine's Python runs:
    ``lower`` calls swapped, in this process, for native's C++ casts behind our kernel
    (what entering a Python kernel costs) and for bare Python casts without native's rules
    or the weight cache (what casting from Python costs); the rest is the rules and the
-   cache.
+   cache. The Python engine's process only: the variants swap its handlers.
 
 Targets (this CPU, medians of interleaved runs): added per forward <= 0.5 ms (GPT-2
 structure), <= 0.35 ms (ResNet-50 structure); MLP training step <= 1.05x native; 0
