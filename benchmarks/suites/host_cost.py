@@ -37,6 +37,7 @@ import contextlib
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -444,6 +445,7 @@ def run(opts) -> list[Table]:
     compiled engine cannot build here, say) gives a row that says so."""
     out = tables(opts.quick)
     for engine in ENGINES:
+        t0 = time.perf_counter()
         cmd = [sys.executable, "-m", "benchmarks.run", "--child", NAME, engine] + (["--quick"] if opts.quick else [])
         rc, stdout, stderr = common.run_children({engine: cmd}, timeout=CHILD_TIMEOUT_S,
                                                  env={"DISPATCH_AMP_ENGINE": engine})[engine]
@@ -462,4 +464,5 @@ def run(opts) -> list[Table]:
             for row in rows[name]:
                 row["engine"] = _engine_cell(engine, row.get("engine", "python"))
                 table.rows.append(row)
+        print(f"(host-cost: the {engine} engine's process took {time.perf_counter() - t0:.1f} s)", flush=True)
     return [out["forward"], out["where"], out["compiled"], out["repeated"]]
