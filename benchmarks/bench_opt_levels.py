@@ -44,7 +44,7 @@ from dispatch_amp.opt_levels import initialize, scale_loss
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout
 from benchmarks import models as M  # noqa: E402
-from benchmarks.timing import interleaved, ratio_stats  # noqa: E402
+from benchmarks.timing import interleaved, prefixed, ratio_stats  # noqa: E402
 
 CONFIGS = ("fp32", "native", "native+scaler", "O1", "O2", "O3")
 
@@ -111,11 +111,13 @@ def bench_time(quick: bool):
     samples = interleaved(steps, rounds, warmup=2)
     rows = []
     for c in CONFIGS:
+        st = ratio_stats(samples[c], samples["native"])
         rows.append({
             "config": c,
             "ms": statistics.median(samples[c]) * 1e3,
             "ms_min": min(samples[c]) * 1e3,
-            "over_native": ratio_stats(samples[c], samples["native"])["ratio"],
+            "over_native": st["ratio"],
+            **prefixed(st, "over_native_"),
             "rounds": rounds,
         })
     return desc, rows
@@ -161,13 +163,18 @@ def main(argv=None):
     memory = {r["config"]: r for r in bench_memory(args.quick)}
     rows = [{**t, **memory[t["config"]]} for t in timing]
     print(f"model: {desc}\n")
-    print("train step: median ms over rounds (interleaved, rotating order); x native: median of "
-          "per-round ratios. Memory (separate process per config): RSS after setup + one step, and the "
+    print("train step: median ms over rounds (interleaved, rotating order); x native: the median of "
+          "per-round ratios and the ratio of medians, each with a bootstrap 95% interval. Memory (separate process per config): RSS after setup + one step, and the "
           "peak RSS during three more steps minus it.\n")
-    columns = [("config", "{}"), ("ms", "{:.1f}"), ("ms_min", "{:.1f}"), ("over_native", "{:.3f}"),
-               ("peak_mb", "{:.0f}"), ("train_mb", "{:.0f}")]
-    print(_markdown.table(["config", "ms/step", "min ms", "x native", "peak RSS MB", "step working set MB"],
-                          [[fmt.format(r[c]) for c, fmt in columns] for r in rows]))
+    interval = "{:.3f} [{:.3f}, {:.3f}]"
+    columns = [(("config",), "{}"), (("ms",), "{:.1f}"), (("ms_min",), "{:.1f}"),
+               (("over_native_ratio", "over_native_ratio_lo", "over_native_ratio_hi"), interval),
+               (("over_native_ratio_of_medians", "over_native_ratio_of_medians_lo", "over_native_ratio_of_medians_hi"),
+                interval),
+               (("peak_mb",), "{:.0f}"), (("train_mb",), "{:.0f}")]
+    print(_markdown.table(["config", "ms/step", "min ms", "x native, median of per-round ratios [95%]",
+                           "x native, ratio of medians [95%]", "peak RSS MB", "step working set MB"],
+                          [[fmt.format(*(r[k] for k in keys)) for keys, fmt in columns] for r in rows]))
     print(f"\n(total {time.perf_counter() - t_start:.0f} s; rounds: {timing[0]['rounds']})")
     if args.csv:
         with open(args.csv, "w", newline="") as f:

@@ -10,7 +10,8 @@ fp32 element and 4 per 16-bit element (one read + one write).
 
 Timing: ``benchmarks/timing.py`` (docs/design.md, "Performance method"): providers
 interleaved in rotating order over several rounds after a warm-up sample, medians, and
-"speed vs torch" as the median of per-round ratios. On CPU on ``torch.utils.benchmark``'s
+"speed vs torch" by both estimators (the median of per-round ratios, the ratio of
+medians), each with a bootstrap 95% interval. On CPU on ``torch.utils.benchmark``'s
 clock; on a GPU on CUDA events (the kernels' device time). Every provider is validated
 against torch's op before it is timed.
 """
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from benchmarks.timing import interleaved, interleaved_events, once, ratio_stats  # noqa: E402
+from benchmarks.timing import interleaved, interleaved_events, once, prefixed, ratio_stats  # noqa: E402
 
 try:
     from dispatch_amp import _markdown
@@ -164,10 +165,11 @@ def main() -> None:
             samples = timed(fns, args, device, rounds, min_run)
             for name, s in samples.items():
                 sec = statistics.median(s)
+                st = ratio_stats(samples["torch"], s)
                 rows.append({
                     "device": device, "case": case, "fill": fill, "provider": name,
                     "time_us": sec * 1e6, "gb_s": nbytes / sec / 1e9,
-                    "vs_torch": ratio_stats(samples["torch"], s)["ratio"], "vs_copy": nbytes / sec / 1e9 / copy_gbs,
+                    "vs_torch": st["ratio"], **prefixed(st, "vs_torch_"), "vs_copy": nbytes / sec / 1e9 / copy_gbs,
                 })
             del args
 
@@ -175,10 +177,13 @@ def main() -> None:
     print(f"\nunscale + check, {device} ({name}); torch {torch.__version__}; large copy {copy_gbs:.1f} GB/s")
     print()
     print(_markdown.table(
-        ["case", "fill", "provider", "time (us)", "GB/s", "speed vs torch", "of copy bandwidth"],
-        [[r["case"], r["fill"], r["provider"], f"{r['time_us']:.1f}", f"{r['gb_s']:.1f}", f"{r['vs_torch']:.2f}x",
-          f"{100 * r['vs_copy']:.0f}%"] for r in rows],
-        align="lllrrrr",
+        ["case", "fill", "provider", "time (us)", "GB/s", "speed vs torch, median of per-round ratios [95%]",
+         "ratio of medians [95%]", "of copy bandwidth"],
+        [[r["case"], r["fill"], r["provider"], f"{r['time_us']:.1f}", f"{r['gb_s']:.1f}",
+          f"{r['vs_torch']:.2f}x [{r['vs_torch_ratio_lo']:.2f}, {r['vs_torch_ratio_hi']:.2f}]",
+          f"{r['vs_torch_ratio_of_medians']:.2f}x [{r['vs_torch_ratio_of_medians_lo']:.2f}, "
+          f"{r['vs_torch_ratio_of_medians_hi']:.2f}]", f"{100 * r['vs_copy']:.0f}%"] for r in rows],
+        align="lllrrrrr",
     ))
     if opts.csv:
         opts.csv.parent.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ Plain ``torch.nn`` code, nothing from dispatch_amp: the same definitions run und
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +66,40 @@ class GPT(nn.Module):
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self(idx)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+# GPT-2's shapes, the vocabulary padded to a multiple of 64 (50257 -> 50304) as nanoGPT does.
+# At the benchmarks' batches an H100 step of small (8 x 1024 tokens) is host-bound: the
+# device idles while the host issues its ops, so host time ours adds shows in the step.
+# Medium (16 x 1024 tokens, about 5.7x the matrix arithmetic per step) keeps the device busy, so
+# host time should hide behind it: the GPU-bound model beside the host-bound ones.
+GPT2_SMALL = GPTConfig(vocab=50304, d_model=768, n_heads=12, n_blocks=12, max_len=1024)
+GPT2_MEDIUM = GPTConfig(vocab=50304, d_model=1024, n_heads=16, n_blocks=24, max_len=1024)
+
+
+def tiny_width(cfg: GPTConfig, *, per_head: int = 4, vocab: int = 512, max_len: int = 32) -> GPTConfig:
+    """``cfg``'s op structure (blocks, heads) at a tiny width (``per_head`` features a head),
+    vocabulary and context: the same calls per step at next to no arithmetic, for CPU runs
+    and the GPU check's dry run.
+
+    Example::
+
+        tiny_width(GPT2_MEDIUM)   # 24 blocks, 16 heads, d_model 64, vocab 512, max_len 32
+    """
+    return dataclasses.replace(cfg, d_model=cfg.n_heads * per_head, vocab=vocab, max_len=max_len)
+
+
+def gpt2(cfg: GPTConfig) -> GPT:
+    """A ``GPT`` with its head tied to the token embedding, as GPT-2's (``copy.deepcopy``
+    keeps the tie).
+
+    Example::
+
+        model = gpt2(tiny_width(GPT2_MEDIUM))
+    """
+    model = GPT(cfg)
+    model.head.weight = model.tok.weight
+    return model
 
 
 def gpt_batch(cfg: GPTConfig, batch: int, seq: int, generator=None):

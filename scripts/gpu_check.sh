@@ -4,20 +4,26 @@
 # cannot starve the others, and the whole within a total budget:
 #
 #   train    ours/native training steps, GPT-2 small and ResNet-50, eager and compiled;
-#            gradient accumulation, eval loop, the fp16-over-fp32 headline      (200 s)
+#            gradient accumulation, eval loop, the fp16-over-fp32 headline; GPT-2
+#            medium eager (GPU-bound); each sample several steps, both ratio
+#            estimators with bootstrap 95% intervals                          (200 s)
 #   profile  torch.profiler summaries, ours against native, and Dynamo's logs  (70 s)
 #   fp8      the fp8 suite with kernel tables, DelayedScaling's first calls,
 #            torchao side by side                                               (150 s)
 #   scaler   Triton unscale against a copy and torch's op; step + update; syncs (30 s)
 #   tests    the CUDA test lane (tests/cuda), the bfloat16 cuDNN RNN cases first (110 s)
 #
-#   scripts/gpu_check.sh [--part NAME[=SECONDS] ...] [--budget SECONDS] [--dry-run] [--quick]
+#   scripts/gpu_check.sh [--part NAME[=SECONDS] ...] [--budget SECONDS] [--steps-per-sample N]
+#                        [--dry-run] [--quick]
 #
 #   --part NAME   run only this part (repeatable; default: all, in the order above);
 #                 NAME=SECONDS also sets its budget
 #   --budget S    the total budget in seconds (default 560: the check ends within one
 #                 10-minute call of the GPU machine, with time for its own setup);
 #                 each part gets the lesser of its own budget and what is left of the total
+#   --steps-per-sample N
+#                 training steps per timed sample in the train part (default 5; 2 with
+#                 --dry-run or --quick): one synchronized step is too noisy a sample
 #   --dry-run     on CPU, at tiny sizes, no GPU needed: every part's code runs (the CUDA-only
 #                 pieces replaced by their CPU equivalents or marked n/a); the tests part only
 #                 collects the lane. Budgets become hang guards (300 s a part, 900 s in all)
@@ -56,7 +62,7 @@ ORDER=(train profile fp8 scaler tests)
 declare -A BUDGET=([train]=200 [profile]=70 [fp8]=150 [scaler]=30 [tests]=110)
 declare -A ASKED_BUDGET=()
 total=560
-dry_run=0 quick=0
+dry_run=0 quick=0 steps_per_sample=""
 selected=()
 is_part() { local p; for p in "${ORDER[@]}"; do [ "$p" = "$1" ] && return 0; done; return 1; }
 is_seconds() { [[ $1 =~ ^[1-9][0-9]*$ ]]; }
@@ -80,6 +86,9 @@ while [ $# -gt 0 ]; do
         --budget)
             [ $# -ge 2 ] && is_seconds "$2" || die_usage "--budget needs a whole number of seconds"
             total=$2; asked_total=1; shift ;;
+        --steps-per-sample)
+            [ $# -ge 2 ] && is_seconds "$2" || die_usage "--steps-per-sample needs a whole number of steps, at least 1"
+            steps_per_sample=$2; shift ;;
         --dry-run) dry_run=1 ;;
         --quick) quick=1 ;;
         -h|--help) usage; exit 0 ;;
@@ -226,6 +235,7 @@ say "- wheels: $wheels_line"
 missing torchao && say "- torchao: not installed, so the fp8 part's torchao comparison is skipped (scripts/fetch_gpu_wheels.sh downloads a wheel into .whl/, which the copy of the tree must carry)"
 missing triton && say "- triton: not installed, so torch's fallbacks run where the Triton kernels would"
 say "- mode: $mode"
+say "- train steps per timed sample: ${steps_per_sample:-the default ($([ "$dry_run$quick" = 00 ] && echo 5 || echo 2))}; ratios by both estimators (median of per-round ratios, ratio of medians), each with a bootstrap 95% interval"
 budgets=$(for p in "${parts[@]}"; do printf '%s %ss, ' "$p" "${BUDGET[$p]}"; done)
 say "- parts and budgets: ${budgets%, } (total $total s)"
 say ""
@@ -235,6 +245,7 @@ status=0
 flags=()
 [ "$dry_run" = 1 ] && flags+=(--dry-run)
 [ "$quick" = 1 ] && flags+=(--quick)
+[ -n "$steps_per_sample" ] && flags+=(--steps-per-sample "$steps_per_sample")
 
 # Seconds part $1 may run: its budget, at most what is left of the total (0: none left).
 allowance() {

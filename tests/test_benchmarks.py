@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -121,3 +123,83 @@ def test_host_cost_breakdown_swaps_the_lower_calls_and_restores_them():
     with amp.autocast("cpu"):
         torch.mm(a, a)
     assert seen == ["aten.mm.default"]
+
+
+def test_a_ratio_cell_holds_the_estimate_and_its_interval():
+    from benchmarks.suites.common import Table, ratio_columns
+    from benchmarks.timing import prefixed, ratio_stats
+
+    st = ratio_stats([1.1, 1.0, 2.0], [1.0, 2.0, 1.05])
+    table = Table("t: x", [("model", "model", "{}"), *ratio_columns("step_", "step ours/native")],
+                  [{"model": "m", **prefixed(st, "step_")}, {"model": "n", "step_ratio": "failed: no build"}, {}])
+    lines = table.markdown().splitlines()
+    assert lines[2] == ("| model | step ours/native, median of per-round ratios [95%] "
+                        "| step ours/native, ratio of medians [95%] |")
+    assert lines[4] == (f"| m | 1.100 [{st['ratio_lo']:.3f}, {st['ratio_hi']:.3f}] | 1.048 "
+                        f"[{st['ratio_of_medians_lo']:.3f}, {st['ratio_of_medians_hi']:.3f}] |")
+    assert lines[5] == "| n | failed: no build | - |"  # a text in the estimate's place is printed as it is
+    assert lines[6] == "| - | - | - |"
+
+
+def test_gpt2_medium_is_the_gpu_bound_model_and_its_tiny_width_keeps_its_structure():
+    from benchmarks import models as M
+    from benchmarks.suites import train_step
+
+    assert (M.GPT2_MEDIUM.n_blocks, M.GPT2_MEDIUM.d_model, M.GPT2_MEDIUM.n_heads) == (24, 1024, 16)
+    with torch.device("meta"):  # the real size, without its memory
+        full = M.gpt2(M.GPT2_MEDIUM)
+    assert 350e6 < sum(p.numel() for p in full.parameters()) < 360e6  # GPT-2 medium's 355M (tied head)
+    for case in (train_step.case, train_step.gpu_case):
+        desc, net, (idx, tgt) = case("gpt-medium", True, "cpu")
+        assert "GPT-2 medium structure" in desc and "24 blocks" in desc and "16 heads" in desc
+        assert len(net.blocks) == 24 and net.blocks[0].attn.num_heads == 16
+        assert net.head.weight is net.tok.weight  # tied, as GPT-2's
+        assert idx.shape == tgt.shape == (4, 32)
+        net.loss(idx, tgt).backward()
+    assert "gpt-medium" in train_step.MODELS
+
+
+def _host_cost_child_rows(engine):
+    row = {"model": "MLP 24 x 64", "engine": engine}
+    return json.dumps({"forward": [dict(row)], "where": [], "compiled": [dict(row, entries=0)], "repeated": []})
+
+
+def test_host_cost_runs_each_engine_in_its_own_process_and_names_it(monkeypatch):
+    from benchmarks.suites import common, host_cost
+
+    calls = []
+
+    def fake_children(cmds, concurrent=False, timeout=600, env=None):
+        (name, cmd), = cmds.items()
+        calls.append((cmd[cmd.index("--child") + 2], env))
+        if env["DISPATCH_AMP_ENGINE"] == "compiled":
+            return {name: (1, "", "Traceback ...\nRuntimeError: the compiled engine needs a C++ compiler")}
+        return {name: (0, "a line the child printed\n" + _host_cost_child_rows("python"), "")}
+
+    monkeypatch.setattr(common, "run_children", fake_children)
+    forward, where, compiled, repeated = host_cost.run(argparse.Namespace(quick=True))
+    assert calls == [("python", {"DISPATCH_AMP_ENGINE": "python"}), ("compiled", {"DISPATCH_AMP_ENGINE": "compiled"})]
+    assert forward.columns[0][0] == "engine" and [r["engine"] for r in forward.rows][0] == "python"
+    failed = forward.rows[1]["engine"]
+    assert failed.startswith("compiled: not measured") and "needs a C++ compiler" in failed
+    assert "| compiled: not measured" in forward.markdown()  # a row that says why, not a failed suite
+    assert [r["engine"] for r in compiled.rows][0] == "python" and len(compiled.rows) == 2
+    assert where.rows == []
+
+
+def test_host_cost_names_an_engine_that_ran_instead_of_the_one_asked_for(monkeypatch):
+    from benchmarks.suites import common, host_cost
+
+    monkeypatch.setattr(common, "run_children", lambda cmds, **kw: {
+        name: (0, _host_cost_child_rows("python"), "") for name in cmds})
+    forward = host_cost.run(argparse.Namespace(quick=True))[0]
+    assert [r["engine"] for r in forward.rows] == ["python", "python (asked for compiled)"]
+
+
+def test_host_cost_reads_the_engine_from_dispatch_amp_where_it_can(monkeypatch):
+    from benchmarks.suites import host_cost
+
+    monkeypatch.setattr(amp, "engine", lambda: "compiled", raising=False)
+    assert host_cost.engine_name() == "compiled"
+    monkeypatch.delattr(amp, "engine")
+    assert host_cost.engine_name() == "python"  # a package without a choice of engine

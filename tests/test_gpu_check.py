@@ -43,11 +43,15 @@ def test_dry_run_writes_every_part_the_summary_and_the_csvs(tmp_path):
     res = _script(["--dry-run"], tmp_path, OUT=str(out))
     report = (out / "gpu_report.md").read_text()
     assert res.returncode == 0, report[-6000:] + res.stderr[-3000:]
-    for line in ("- date: ", "- commit: ", "- GPU: ", "- torch ", "- Triton: ", "- torchao: ", "- mode: --dry-run"):
+    for line in ("- date: ", "- commit: ", "- GPU: ", "- torch ", "- Triton: ", "- torchao: ", "- mode: --dry-run",
+                 "- train steps per timed sample: the default (2)"):
         assert line in report, line
     for part in PARTS:
         assert f"## Part: {part}" in report, part
     for heading in ("### train: GPT", "headline, mixed precision with GradScaler", "### train: ResNet-50 compiled",
+                    "### train: GPT-2 medium structure", "the GPU-bound model, eager",
+                    "each sample 2 calls between two synchronizations, reported per call",
+                    "median of per-round ratios [95%]", "ratio of medians [95%]",
                     "### profile: GPT-2 small eager step:", "### profile: ResNet-50 compiled step",
                     "where ours spends more, by Python function", "Dynamo recompiles, guards and graph breaks",
                     "### fp8: linear forward + backward", "### fp8: ours vs torchao", "kernels per configuration",
@@ -115,6 +119,8 @@ def test_the_real_check_refuses_a_machine_without_cuda(tmp_path):
     (["--budget", "-5"], "--budget needs a whole number of seconds"),
     (["--part"], "--part needs a NAME"),
     (["--fast"], "unknown option '--fast'"),
+    (["--steps-per-sample", "0"], "--steps-per-sample needs a whole number of steps"),
+    (["--steps-per-sample"], "--steps-per-sample needs a whole number of steps"),
 ])
 def test_usage_errors_exit_2_before_anything_runs(tmp_path, args, message):
     res = _script(["--dry-run", *args], tmp_path, REPORT=str(tmp_path / "report.md"), OUT="")
@@ -193,3 +199,20 @@ def test_eval_loop_runs_its_forwards_in_eval_mode_without_gradients():
     train.eval_loop(net, batch, "ours", torch.device("cpu"))()
     assert modes == [(False, False)] * train.EVAL_FORWARDS
     assert all(p.grad is None for p in net.parameters())
+
+
+def test_a_training_steps_sample_is_several_steps_and_the_count_can_be_asked_for(tmp_path):
+    from benchmarks.check.settings import Settings
+
+    assert Settings(dry_run=False, quick=False, logs=tmp_path).steps_per_sample == 5  # on the GPU
+    assert Settings(dry_run=True, quick=False, logs=tmp_path).steps_per_sample == 2  # dry run: the path, cheaply
+    assert Settings(dry_run=False, quick=False, logs=tmp_path, steps=8).steps_per_sample == 8
+
+
+def test_the_part_takes_the_steps_per_sample(tmp_path, capsys):
+    from benchmarks.check.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--dry-run", "--out", str(tmp_path), "--steps-per-sample", "0"])
+    assert e.value.code == 2
+    assert "--steps-per-sample must be at least 1" in capsys.readouterr().err

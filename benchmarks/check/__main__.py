@@ -1,4 +1,4 @@
-"""``python -m benchmarks.check PART --out DIR [--logs DIR] [--dry-run] [--quick]``; see benchmarks/check/__init__.py.
+"""``python -m benchmarks.check PART --out DIR [--logs DIR] [--dry-run] [--quick] [--steps-per-sample N]``; see benchmarks/check/__init__.py.
 
 Also ``python -m benchmarks.check targets DIR [PART ...]`` (the targets table of the parts
 found in DIR) and ``python -m benchmarks.check environment`` (the report's machine lines).
@@ -43,6 +43,14 @@ def _release(s: Settings) -> None:
         torch.cuda.empty_cache()
 
 
+def _engine() -> str:
+    """The engine that ran (``dispatch_amp.engine()``; "python" where there is no choice)."""
+    import dispatch_amp
+
+    engine = getattr(dispatch_amp, "engine", None)
+    return engine() if callable(engine) else "python"
+
+
 def run_part(name: str, s: Settings, out: Path) -> int:
     """Runs part ``name``'s sections in order, printing each table as it comes; writes
     ``out/NAME.csv`` and ``out/NAME.targets.csv`` with whatever finished. Returns the exit
@@ -77,7 +85,7 @@ def run_part(name: str, s: Settings, out: Path) -> int:
         status = 130
     finally:
         meta = {"part": name, "device": s.device.type, "torch": torch.__version__, "dry_run": s.dry_run,
-                "quick": s.quick, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")}
+                "quick": s.quick, "steps_per_sample": s.steps_per_sample, "engine": _engine(), "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")}
         write_csv(out / f"{name}.csv", tables, meta)
         write_targets(out / f"{name}.targets.csv", targets)
     print(f"({name}: {time.perf_counter() - t_part:.1f} s in all)", flush=True)
@@ -106,14 +114,19 @@ def main(argv=None) -> int:
     ap.add_argument("--logs", type=Path, help="folder for the part's longer logs (default: --out)")
     ap.add_argument("--dry-run", action="store_true", help="on CPU, tiny sizes: the code paths, no measurement")
     ap.add_argument("--quick", action="store_true", help="tiny sizes on the GPU: a smoke test")
+    ap.add_argument("--steps-per-sample", type=int, metavar="N",
+                    help="training steps per timed sample (default 5 on the GPU, 2 at tiny sizes)")
     opts = ap.parse_args(argv)
+    if opts.steps_per_sample is not None and opts.steps_per_sample < 1:
+        ap.error(f"--steps-per-sample must be at least 1; got {opts.steps_per_sample}")
     if not opts.dry_run and not device_available("cuda"):
         ap.error(f"no CUDA GPU is visible to torch here (torch {torch.__version__}); "
                  "run with --dry-run for the CPU rehearsal")
     opts.out.mkdir(parents=True, exist_ok=True)
     logs = opts.logs or opts.out
     logs.mkdir(parents=True, exist_ok=True)
-    return run_part(opts.part, Settings(dry_run=opts.dry_run, quick=opts.quick, logs=logs), opts.out)
+    return run_part(opts.part, Settings(dry_run=opts.dry_run, quick=opts.quick, logs=logs,
+                                            steps=opts.steps_per_sample), opts.out)
 
 
 if __name__ == "__main__":

@@ -16,12 +16,13 @@ class Settings:
     Example::
 
         s = Settings(dry_run=True, quick=False, logs=Path("/tmp/logs"))
-        s.device, s.rounds, s.backend   # cpu, 3, "aot_eager"
+        s.device, s.rounds, s.backend, s.steps_per_sample   # cpu, 3, "aot_eager", 2
     """
 
     dry_run: bool
     quick: bool
     logs: Path
+    steps: int | None = None  # steps per timed sample of a training step; None: the mode's default
 
     @property
     def device(self) -> torch.device:
@@ -36,6 +37,19 @@ class Settings:
     def rounds(self) -> int:
         """Interleaved rounds per timing (21 on the GPU: its per-round ratios vary little)."""
         return 3 if self.tiny else 21
+
+    @property
+    def steps_per_sample(self) -> int:
+        """Training steps per timed sample (``steps``, else 5 on the GPU, 2 at tiny sizes):
+        one synchronized step on a shared host is too noisy for a few percent (the H100's
+        one-step samples of GPT-2 small gave per-round ratios from 0.94 to 1.26)."""
+        return self.steps or (2 if self.tiny else 5)
+
+    @property
+    def step_rounds(self) -> int:
+        """Interleaved rounds of the training steps' timings: fewer than ``rounds``, as each
+        sample is ``steps_per_sample`` steps."""
+        return 3 if self.tiny else 11
 
     @property
     def backend(self) -> str:

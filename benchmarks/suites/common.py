@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,8 @@ class Table:
     """One printed Markdown table; every row also becomes a CSV row.
 
     ``columns`` is a list of (row key, header, format); rows are dicts that may hold more
-    keys than are printed (all of them go to the CSV).
+    keys than are printed (all of them go to the CSV). A key may be a tuple of keys, whose
+    values fill one format (an estimate and its interval in one cell: ``ratio_columns``).
     """
 
     title: str
@@ -36,19 +38,45 @@ class Table:
 
             Table("t: x", [("k", "key", "{:.1f}")], [{"k": 1.5}]).markdown()   # '### t: x\n\n| key |\n|---|\n| 1.5 |'
         """
-        cells = [[_cell(r.get(key), fmt) for key, _, fmt in self.columns] for r in self.rows]
+        cells = [[_cell(r, key, fmt) for key, _, fmt in self.columns] for r in self.rows]
         out = [f"### {self.title}", "", _markdown.table([h for _, h, _ in self.columns], cells)]
         if self.note:
             out += ["", self.note]
         return "\n".join(out)
 
 
-def _cell(value, fmt: str) -> str:
+def _cell(row: dict, key, fmt: str) -> str:
+    if isinstance(key, tuple):  # one format, several values: all numbers, else the first's text or "-"
+        values = [row.get(k) for k in key]
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            return fmt.format(*values)
+        return values[0] if isinstance(values[0], str) and values[0] else "-"
+    value = row.get(key)
     if value is None or value == "":
         return "-"
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return fmt.format(value)
     return str(value)
+
+
+def ratio_columns(prefix: str = "", label: str = "ours/native") -> list:
+    """The two columns of a ratio from ``timing.ratio_stats`` (keys prefixed as by
+    ``timing.prefixed``): the median of per-round ratios and the ratio of medians, each
+    with its bootstrap 95% interval in brackets.
+
+    Example::
+
+        Table("t", [("model", "model", "{}"), *ratio_columns()], [{"model": "m", **ratio_stats(ours, native)}])
+    """
+    p = prefix
+    return [((f"{p}ratio", f"{p}ratio_lo", f"{p}ratio_hi"), f"{label}, median of per-round ratios [95%]",
+             "{:.3f} [{:.3f}, {:.3f}]"),
+            ((f"{p}ratio_of_medians", f"{p}ratio_of_medians_lo", f"{p}ratio_of_medians_hi"),
+             f"{label}, ratio of medians [95%]", "{:.3f} [{:.3f}, {:.3f}]")]
+
+
+ESTIMATORS_NOTE = ("Ratios: the median of per-round ratios and the ratio of medians, each with a percentile-bootstrap "
+                   "95% interval over the rounds (2000 resamples, fixed seed).")
 
 
 # Set by the runner for --quick: tiny sizes measure nothing worth a verdict.
@@ -132,17 +160,20 @@ def no_tf32():
         torch.backends.cudnn.allow_tf32 = conv
 
 
-def run_children(cmds: dict, concurrent: bool = False, timeout: float = 600) -> dict:
+def run_children(cmds: dict, concurrent: bool = False, timeout: float = 600, env: dict | None = None) -> dict:
     """Runs each command (``name -> argv``) from the repository root; returns ``name ->
     (returncode, stdout, stderr)``. ``concurrent``: all at once (for CUDA peak-memory
-    children: each reads its own ``max_memory_allocated``, which the others cannot change)."""
+    children: each reads its own ``max_memory_allocated``, which the others cannot change).
+    ``env``: variables set for the children, over this process's environment."""
+    environ = {**os.environ, **env} if env else None
     if not concurrent:
         out = {}
         for name, cmd in cmds.items():
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=environ)
             out[name] = (res.returncode, res.stdout, res.stderr)
         return out
-    procs = {name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    procs = {name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                                    env=environ)
              for name, cmd in cmds.items()}
     out = {}
     for name, p in procs.items():

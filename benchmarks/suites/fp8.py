@@ -71,8 +71,8 @@ from dispatch_amp import fp8
 
 from benchmarks.timing import interleaved, ratio_stats
 
-from .common import (Table, device_of, failure, free_device_memory, gpu_memory_gib, run_children, training_step,
-                     verdict)
+from .common import (ESTIMATORS_NOTE, Table, device_of, failure, free_device_memory, gpu_memory_gib, ratio_columns,
+                     run_children, training_step, verdict)
 
 NAME = "fp8"
 LINEAR_TARGETS = {"fp8 current": 1.35, "fp8 delayed": 1.5}  # eager speedup over bf16
@@ -245,11 +245,11 @@ def linear_tables(device: torch.device, quick: bool, backend: str, timed: bool, 
         title += " (quick sizes: a smoke test, not a measurement)"
     table = Table(title, [
         ("mode", "mode", "{}"), ("config", "config", "{}"), ("ms", "ms", "{:.3f}"), ("tflops", "TFLOP/s", "{:.1f}"),
-        ("ratio", "speedup vs bf16", "{:.3f}"), ("ratio_min", "min", "{:.3f}"), ("ratio_max", "max", "{:.3f}"),
+        *ratio_columns(label="speedup vs bf16"), ("ratio_min", "min", "{:.3f}"), ("ratio_max", "max", "{:.3f}"),
         ("target", "target", "{}"), ("met", "met?", "{}"),
         ("out_err", "out err", "{:.2e}"), ("dx_err", "dx err", "{:.2e}"), ("dw_err", "dw err", "{:.2e}"),
         ("db_err", "db err", "{:.2e}"), ("finite", "finite", "{}"),
-    ], note="speedup = median of per-round bf16 time / fp8 time, same mode. err = max|fp8 - bf16| / max|bf16| "
+    ], note=ESTIMATORS_NOTE + " speedup = bf16 time / fp8 time, same mode. err = max|fp8 - bf16| / max|bf16| "
             "per tensor, against bf16 in the same mode (delayed: after its priming calls).")
     for mode in MODES:
         for config in LINEAR_CONFIGS:
@@ -274,10 +274,10 @@ def linear_tables(device: torch.device, quick: bool, backend: str, timed: bool, 
     vs = Table(
         "fp8: ours vs torchao float8 training, linear forward + backward, compiled, tensorwise dynamic scaling "
         f"(ours: fp8 current), {m} x {k} x {n}" + (" (quick sizes: a smoke test, not a measurement)" if quick else ""),
-        [("torchao_ms", "torchao ms", "{:.3f}"), ("ours_ms", "ours ms", "{:.3f}"), ("ratio", "ours/torchao", "{:.3f}"),
+        [("torchao_ms", "torchao ms", "{:.3f}"), ("ours_ms", "ours ms", "{:.3f}"), *ratio_columns(label="ours/torchao"),
          ("ratio_min", "min", "{:.3f}"), ("ratio_max", "max", "{:.3f}"), ("target", "target", "{}"),
          ("met", "met?", "{}"), ("status", "status", "{}")],
-        note="torchao under torch.autocast bfloat16 with its default Float8LinearConfig (whose forward gemm "
+        note=ESTIMATORS_NOTE + " torchao under torch.autocast bfloat16 with its default Float8LinearConfig (whose forward gemm "
              "uses fast accumulation); interleaved with the table above.",
     )
     row = {"target": f"<= {TORCHAO_TARGET:.2f}"}
@@ -434,11 +434,11 @@ def gpt_table(device: torch.device, quick: bool, backend: str, timed: bool, obse
         title += " (quick sizes: a smoke test, not a measurement)"
     table = Table(title, [
         ("mode", "mode", "{}"), ("config", "config", "{}"), ("ms", "ms/step", "{:.1f}"),
-        ("tokens_s", "tokens/s", "{:.0f}"), ("ratio", "fp8/bf16 tokens/s", "{:.3f}"),
+        ("tokens_s", "tokens/s", "{:.0f}"), *ratio_columns(label="fp8/bf16 tokens/s"),
         ("ratio_min", "min", "{:.3f}"), ("ratio_max", "max", "{:.3f}"), ("target", "target", "{}"),
         ("met", "met?", "{}"), ("loss_err", "loss err", "{:.2e}"), ("grad_err", "grad err", "{:.2e}"),
         ("finite", "finite", "{}"),
-    ], note="fp8/bf16 tokens/s = median of per-round bf16 time / fp8 time, same mode. loss err = "
+    ], note=ESTIMATORS_NOTE + " fp8/bf16 tokens/s = bf16 time / fp8 time, same mode. loss err = "
             "|fp8 - bf16| / |bf16|; grad err = the worst parameter's max|fp8 - bf16| / max|bf16|; one "
             "forward + backward from the same weights (delayed: after its priming calls).")
     for mode in MODES:

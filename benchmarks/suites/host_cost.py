@@ -2,11 +2,14 @@
 
 On a GPU whose step is host-bound every microsecond of Python shows. This suite measures
 the host time ours adds over native autocast on models that keep real models' op
-structure at trivial widths, and how often the engine's Python runs:
+structure at trivial widths, and how often the engine's Python runs. Each engine
+(``DISPATCH_AMP_ENGINE=python``, ``=compiled``) is measured in a process of its own and
+the rows are merged, with a column naming the engine that ran (``run``, ``child``):
 
 1. Added host time per forward and per training step (forward, loss, backward, SGD step),
    ours against native, interleaved in rotating order; the median of per-round
-   differences (ms) and of per-round ratios. Models: GPT-2 small's structure (12
+   differences (ms) and, for the step, both ratio estimators with their bootstrap
+   intervals (``timing.ratio_stats``). Models: GPT-2 small's structure (12
    pre-norm blocks, 12 heads, tied head; d_model 48), ResNet-50's (bottleneck blocks 3,
    4, 6, 3; width 4, 32x32 images), and the 24-layer residual MLP (width 64, batch 16).
 2. Entries into our Python (``PythonEntries``: frames of dispatch_amp entered from code
@@ -19,7 +22,7 @@ structure at trivial widths, and how often the engine's Python runs:
    ``lower`` calls swapped, in this process, for native's C++ casts behind our kernel
    (what entering a Python kernel costs) and for bare Python casts without native's rules
    or the weight cache (what casting from Python costs); the rest is the rules and the
-   cache.
+   cache. The Python engine's process only: the variants swap its handlers.
 
 Targets (this CPU, medians of interleaved runs): added per forward <= 0.5 ms (GPT-2
 structure), <= 0.35 ms (ResNet-50 structure); MLP training step <= 1.05x native; 0
@@ -31,8 +34,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -42,11 +47,12 @@ import dispatch_amp
 from dispatch_amp.autocast import _handlers, _routing
 
 from ..models import GPT, GPTConfig, ResidualMLP, ResNet, gpt_batch
-from ..timing import interleaved, ratio_stats
+from ..timing import interleaved, prefixed, ratio_stats
 from . import common
-from .common import Table, verdict
+from .common import ESTIMATORS_NOTE, Table, failure, ratio_columns, verdict
 
 NAME = "host-cost"
+CHILD_TIMEOUT_S = 1800  # a hang guard: an engine's first region may build the compiled kernel
 _PACKAGE = str(Path(dispatch_amp.__file__).resolve().parent)
 
 
@@ -248,10 +254,6 @@ def _met(ok: bool) -> str:
     return "smoke test" if common.SMOKE_TEST else ("met" if ok else "missed")
 
 
-def _ratio(a, b) -> float:
-    return ratio_stats(a, b)["ratio"]
-
-
 def _median_diff(a, b):
     return statistics.median(x - y for x, y in zip(a, b))
 
@@ -294,21 +296,72 @@ def entries_per_compiled_step(model, batch) -> int:
     return entries.count
 
 
-def run(opts) -> list[Table]:
-    quick = opts.quick
-    calls, rounds = (1, 3) if quick else (5, 21)
+ENGINES = ("python", "compiled")  # DISPATCH_AMP_ENGINE, one child process each
+
+
+def engine_name() -> str:
+    """The engine this process runs (``dispatch_amp.engine()``; "python" where the package
+    has no choice of engine)."""
+    engine = getattr(dispatch_amp, "engine", None)
+    return engine() if callable(engine) else "python"
+
+
+def _sizes(quick: bool) -> tuple[int, int]:
+    """(calls per sample, rounds)."""
+    return (1, 3) if quick else (5, 21)
+
+
+def tables(quick: bool) -> dict[str, Table]:
+    """The suite's tables, empty, by name: the parent process fills them with the rows of
+    each engine's child."""
+    calls, rounds = _sizes(quick)
+    engine = ("engine", "engine", "{}")
     forward = Table(
         f"host-cost: ms per forward+loss and per training step (CPU bfloat16, trivial widths); "
         f"{rounds} interleaved rounds of {calls} calls, medians",
-        [("model", "model", "{}"), ("native_fwd_ms", "native fwd", "{:.2f}"), ("ours_fwd_ms", "ours fwd", "{:.2f}"),
-         ("added_fwd_ms", "added per fwd (ms)", "{:+.3f}"), ("fwd_target", "target", "{}"),
-         ("native_step_ms", "native step", "{:.2f}"), ("ours_step_ms", "ours step", "{:.2f}"),
-         ("step_ratio", "step ours/native", "{:.3f}"), ("step_target", "target", "{}"),
-         ("entries_fwd", "entries per fwd", "{}"), ("cast_calls", "of which casts", "{}"),
-         ("met", "met?", "{}")],
+        [engine, ("model", "model", "{}"), ("native_fwd_ms", "native fwd", "{:.2f}"),
+         ("ours_fwd_ms", "ours fwd", "{:.2f}"), ("added_fwd_ms", "added per fwd (ms)", "{:+.3f}"),
+         ("fwd_target", "target", "{}"), ("native_step_ms", "native step", "{:.2f}"),
+         ("ours_step_ms", "ours step", "{:.2f}"), *ratio_columns("step_", "step ours/native"),
+         ("step_target", "target", "{}"), ("entries_fwd", "entries per fwd", "{}"),
+         ("cast_calls", "of which casts", "{}"), ("met", "met?", "{}")],
         note="Entries: calls into dispatch_amp's Python from outside it during one forward+loss "
-             "(every one a kernel of an op the policy casts).",
+             "(with the Python engine every one a kernel of an op the policy casts). Each engine measured in a "
+             "process of its own (DISPATCH_AMP_ENGINE). The step verdict reads the median of per-round ratios. "
+             + ESTIMATORS_NOTE,
     )
+    where = Table(
+        f"host-cost: where the added time per forward+loss goes, Python engine (ms; {2 * rounds - 1} interleaved "
+        f"rounds of {calls} calls, medians of per-round differences from native)",
+        [("model", "model", "{}"), ("casts", "calls cast", "{}"), ("added_ms", "added", "{:+.3f}"),
+         ("entry_ms", "kernel entry", "{:+.3f}"), ("python_casts_ms", "casts from Python", "{:+.3f}"),
+         ("rules_ms", "rules + weight cache", "{:+.3f}"), ("entry_us_per_call", "entry per call (us)", "{:.1f}")],
+        note="kernel entry: ours with each cast call handed to native autocast's C++ casts; casts from Python: "
+             "ours casting every float32 argument without rules or cache, minus kernel entry; rules + weight "
+             "cache: the rest of ours. Measurement variants only, swapped in this process: they replace the "
+             "Python engine's handlers, so they run in its process alone.",
+    )
+    compiled = Table(
+        "host-cost: entries into our Python per compiled training step (torch.compile, aot_eager; target 0)",
+        [engine, ("model", "model", "{}"), ("entries", "entries per compiled step", "{}"), ("met", "met?", "{}")],
+    )
+    repeated = Table(
+        f"host-cost: gradient accumulation (4 micro-batches, one SGD step) and an eval loop (8 forwards "
+        f"under no_grad, one region each), ms, {rounds} interleaved rounds; ratio to native",
+        [engine, ("case", "case", "{}"), ("model", "model", "{}"), ("native_ms", "native", "{:.2f}"),
+         ("ours_ms", "ours", "{:.2f}"), *ratio_columns("ours_", "ours/native"),
+         ("kept_ms", "ours + cast_cache", "{:.2f}"), *ratio_columns("kept_", "kept/native"),
+         ("target", "target", "{}"), ("met", "met?", "{}")],
+        note="The verdict reads the median of per-round ratios. " + ESTIMATORS_NOTE,
+    )
+    return {"forward": forward, "where": where, "compiled": compiled, "repeated": repeated}
+
+
+def measure(quick: bool, with_breakdown: bool = True) -> dict[str, list[dict]]:
+    """Every table's rows, measured in this process with its engine (each row names it);
+    the breakdown (``where``) only ``with_breakdown``."""
+    calls, rounds = _sizes(quick)
+    rows: dict[str, list[dict]] = {name: [] for name in ("forward", "where", "compiled", "repeated")}
     for name, make in MODELS.items():
         if quick and name != "MLP 24 x 64":
             continue
@@ -318,39 +371,27 @@ def run(opts) -> list[Table]:
         step = _interleaved({m: _step(model, batch, m, optimizer) for m in ("native", "ours")}, calls, rounds)
         entries, cast, _ = entries_per_forward(model, batch)
         added = _median_diff(fwd["ours"], fwd["native"])
-        ratio = _ratio(step["ours"], step["native"])
+        st = ratio_stats(step["ours"], step["native"])
         checks = []
         if name in FORWARD_TARGET_MS:
             checks.append(added <= FORWARD_TARGET_MS[name])
         if name in STEP_TARGET:
-            checks.append(ratio <= STEP_TARGET[name])
+            checks.append(st["ratio"] <= STEP_TARGET[name])
         checks.append(entries == cast)
-        forward.rows.append({
+        rows["forward"].append({
             "model": name, "native_fwd_ms": statistics.median(fwd["native"]),
             "ours_fwd_ms": statistics.median(fwd["ours"]), "added_fwd_ms": added,
             "fwd_target": f"<= {FORWARD_TARGET_MS[name]}" if name in FORWARD_TARGET_MS else "-",
             "native_step_ms": statistics.median(step["native"]), "ours_step_ms": statistics.median(step["ours"]),
-            "step_ratio": ratio, "step_target": f"<= {STEP_TARGET[name]}" if name in STEP_TARGET else "-",
+            **prefixed(st, "step_"), "step_target": f"<= {STEP_TARGET[name]}" if name in STEP_TARGET else "-",
             "entries_fwd": entries, "cast_calls": cast, "met": _met(all(checks)),
         })
 
-    compiled = Table(
-        "host-cost: entries into our Python per compiled training step (torch.compile, aot_eager; target 0)",
-        [("model", "model", "{}"), ("entries", "entries per compiled step", "{}"), ("met", "met?", "{}")],
-    )
     for name in ("MLP 24 x 64",) if quick else tuple(MODELS):
         model, batch = MODELS[name]()
         n = entries_per_compiled_step(model, batch)
-        compiled.rows.append({"model": name, "entries": n, "met": verdict(n, 0)})
+        rows["compiled"].append({"model": name, "entries": n, "met": verdict(n, 0)})
 
-    repeated = Table(
-        f"host-cost: gradient accumulation (4 micro-batches, one SGD step) and an eval loop (8 forwards "
-        f"under no_grad, one region each), ms, {rounds} interleaved rounds; ratio to native",
-        [("case", "case", "{}"), ("model", "model", "{}"), ("native_ms", "native", "{:.2f}"),
-         ("ours_ms", "ours", "{:.2f}"), ("ours_ratio", "ours/native", "{:.3f}"),
-         ("kept_ms", "ours + cast_cache", "{:.2f}"), ("kept_ratio", "kept/native", "{:.3f}"),
-         ("target", "target", "{}"), ("met", "met?", "{}")],
-    )
     for name in ("MLP 24 x 64",) if quick else ("GPT-2 structure", "MLP 24 x 64"):
         model, batch = MODELS[name]()
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -366,14 +407,62 @@ def run(opts) -> list[Table]:
             "kept": _eval_loop(model, [batch] * 8, "ours", True),
         }, max(1, calls // 2), rounds)
         for case, samples, target in (("accumulation", acc, 1.0), ("eval loop", evals, 1.0)):
-            kept = _ratio(samples["kept"], samples["native"])
-            repeated.rows.append({
+            kept = ratio_stats(samples["kept"], samples["native"])
+            rows["repeated"].append({
                 "case": case, "model": name, "native_ms": statistics.median(samples["native"]),
                 "ours_ms": statistics.median(samples["ours"]),
-                "ours_ratio": _ratio(samples["ours"], samples["native"]),
-                "kept_ms": statistics.median(samples["kept"]), "kept_ratio": kept,
-                "target": f"kept < {target:.2f}", "met": _met(kept < target),
+                **prefixed(ratio_stats(samples["ours"], samples["native"]), "ours_"),
+                "kept_ms": statistics.median(samples["kept"]), **prefixed(kept, "kept_"),
+                "target": f"kept < {target:.2f}", "met": _met(kept["ratio"] < target),
             })
-    # Four variants share the rounds: twice as many keep the split steady between runs.
-    where = breakdown(2 * rounds - 1, calls, ("MLP 24 x 64",) if quick else ("GPT-2 structure", "ResNet-50 structure"))
-    return [forward, where, compiled, repeated]
+    if with_breakdown:
+        # Four variants share the rounds: twice as many keep the split steady between runs.
+        rows["where"] = breakdown(2 * rounds - 1, calls,
+                                  ("MLP 24 x 64",) if quick else ("GPT-2 structure", "ResNet-50 structure")).rows
+    engine = engine_name()  # after the regions: the engine that ran them
+    for table_rows in rows.values():
+        for row in table_rows:
+            row.setdefault("engine", engine)
+    return rows
+
+
+def child(args: list[str], opts) -> None:
+    """``run.py --child host-cost ENGINE [--quick]``, run with ``DISPATCH_AMP_ENGINE=ENGINE``:
+    prints every table's rows as one JSON line. The breakdown runs in the Python engine's
+    child only (it swaps that engine's handlers)."""
+    (engine,) = args
+    common.SMOKE_TEST = opts.quick
+    print(json.dumps(measure(opts.quick, with_breakdown=engine == "python")))
+
+
+def _engine_cell(asked: str, ran: str) -> str:
+    return ran if ran == asked else f"{ran} (asked for {asked})"
+
+
+def run(opts) -> list[Table]:
+    """Each engine's measurement in a process of its own (``DISPATCH_AMP_ENGINE`` set), the
+    rows merged into one set of tables with an engine column. A child that fails (the
+    compiled engine cannot build here, say) gives a row that says so."""
+    out = tables(opts.quick)
+    for engine in ENGINES:
+        t0 = time.perf_counter()
+        cmd = [sys.executable, "-m", "benchmarks.run", "--child", NAME, engine] + (["--quick"] if opts.quick else [])
+        rc, stdout, stderr = common.run_children({engine: cmd}, timeout=CHILD_TIMEOUT_S,
+                                                 env={"DISPATCH_AMP_ENGINE": engine})[engine]
+        try:
+            if rc != 0:
+                last = (stderr.strip().splitlines() or [f"exit status {rc}"])[-1]
+                raise RuntimeError(f"the {engine} engine's process failed: {last}")
+            rows = json.loads(stdout.strip().splitlines()[-1])
+        except Exception as e:  # noqa: BLE001 - the row says why; the other engine's rows stand
+            print(f"(host-cost, {engine} engine: {e}; its stderr ends:\n{stderr[-2000:]})", flush=True)
+            for name, table in out.items():
+                if name != "where":
+                    table.rows.append({"engine": f"{engine}: not measured ({failure(e)})"})
+            continue
+        for name, table in out.items():
+            for row in rows[name]:
+                row["engine"] = _engine_cell(engine, row.get("engine", "python"))
+                table.rows.append(row)
+        print(f"(host-cost: the {engine} engine's process took {time.perf_counter() - t0:.1f} s)", flush=True)
+    return [out["forward"], out["where"], out["compiled"], out["repeated"]]

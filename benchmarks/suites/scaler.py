@@ -40,7 +40,7 @@ from dispatch_amp.kernels import check_finite_, unscale_check_, uses_triton
 
 from benchmarks.timing import interleaved, interleaved_events, ratio_stats
 
-from .common import Table, device_of, free_device_memory, verdict
+from .common import ESTIMATORS_NOTE, Table, device_of, free_device_memory, ratio_columns, verdict
 
 NAME = "scaler"
 INV_SCALE = 1.0 + 2.0**-20  # not 1.0 (torch may skip the multiply); values neither under- nor overflow
@@ -72,8 +72,8 @@ def _unscale_table(quick: bool, rounds: int) -> Table:
     table = Table(
         f"scaler: unscale + check, {n} x {numel // 1024}K fp32 gradients (us per call, median of {rounds} interleaved rounds)",
         [("provider", "provider", "{}"), ("time_us", "time (us)", "{:.0f}"), ("gb_s", "GB/s", "{:.1f}"),
-         ("ratio", "ours/torch", "{:.3f}"), ("ratio_min", "min", "{:.3f}"), ("ratio_max", "max", "{:.3f}")],
-        note="On CPU ours dispatches to torch's fused op (backend 'auto'); the read-only check moves half the bytes on a GPU.",
+         *ratio_columns(label="ours/torch"), ("ratio_min", "min", "{:.3f}"), ("ratio_max", "max", "{:.3f}")],
+        note=ESTIMATORS_NOTE + " On CPU ours dispatches to torch's fused op (backend 'auto'); the read-only check moves half the bytes on a GPU.",
     )
     # One gradient list for all providers: the same memory, so placement cannot favour one.
     grads = [torch.ones(numel) for _ in range(n)]
@@ -131,10 +131,10 @@ def step_table(quick: bool, rounds: int, device: torch.device = torch.device("cp
     table = Table(
         f"scaler: step + update, {n} x {numel // 1024}K fp32 params (ms per step, median of {rounds} interleaved rounds{where})",
         [("optimizers", "optimizers", "{}"), ("torch_ms", "torch", "{:.2f}"), ("ours_ms", "ours", "{:.2f}"),
-         ("ratio", "ours/torch", "{:.3f}"), ("ratio_min", "min", "{:.3f}"), ("ratio_max", "max", "{:.3f}"),
+         *ratio_columns(label="ours/torch"), ("ratio_min", "min", "{:.3f}"), ("ratio_max", "max", "{:.3f}"),
          ("target", "target", "{}"), ("met", "met?", "{}"), ("torch_syncs", "host syncs torch", "{}"),
          ("ours_syncs", "host syncs ours", "{}"), ("sync_target", "target", "{}"), ("sync_met", "met?", "{}")],
-        note="Timed: the optimizer step(s) and the scaler's unscale/check, step and update; gradients refilled untimed.",
+        note=ESTIMATORS_NOTE + " Timed: the optimizer step(s) and the scaler's unscale/check, step and update; gradients refilled untimed.",
     )
     for config in ("1 SGD", "2 SGDs", "fused AdamW"):
         params, opts = _setup(config, n, numel, device)
@@ -216,10 +216,10 @@ def unscale_vs_copy_table(quick: bool, rounds: int, device: torch.device = torch
         f"(us per call: {clock} around {calls} calls, median of {rounds} interleaved rounds)"
         + (" (quick sizes: a smoke test, not a measurement)" if quick else ""),
         [("provider", "provider", "{}"), ("time_us", "time (us)", "{:.0f}"), ("gb_moved", "GB moved", "{:.2f}"),
-         ("gb_s", "GB/s", "{:.0f}"), ("of_copy", "of copy GB/s", "{:.1%}"), ("ratio", "time / torch", "{:.3f}"),
+         ("gb_s", "GB/s", "{:.0f}"), ("of_copy", "of copy GB/s", "{:.1%}"), *ratio_columns(label="time / torch"),
          ("ratio_min", "min", "{:.3f}"), ("ratio_max", "max", "{:.3f}"), ("target", "target", "{}"),
          ("met", "met?", "{}"), ("matches", "matches torch", "{}")],
-        note="GB moved = bytes read + bytes written (copy and unscale: 2 x 4 bytes per element; the read-only check: 4). "
+        note=ESTIMATORS_NOTE + " GB moved = bytes read + bytes written (copy and unscale: 2 x 4 bytes per element; the read-only check: 4). "
              "'of copy GB/s' = median per-round (provider GB/s) / (copy GB/s). Targets for ours unscale_check_: "
              ">= 90% of the copy's GB/s and time / torch < 1.00.",
     )

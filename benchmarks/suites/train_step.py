@@ -9,16 +9,21 @@ Peak memory: each (model, configuration) runs in its own process (``run.py --chi
 which resets the Linux high-water mark after setup and one warm-up step, runs three steps
 and reports the peak RSS (``VmHWM``) and the growth over the RSS before the steps.
 
-Models: the overhead-bound MLP (24 small layers: per-call cost dominates), a GPT, a CNN
-and an LSTM tagger. Targets: time ours/native <= 1.03 per model (1.10 for the MLP, where
-a Python-level autocast pays the most); peak memory ours/native <= 1.00.
+Models: the overhead-bound MLP (24 small layers: per-call cost dominates), a GPT, a CNN,
+an LSTM tagger and GPT-2 medium's structure (24 blocks, 16 heads; on CPU at d_model 64).
+Targets: time ours/native <= 1.03 per model (1.10 for the MLP, where a Python-level
+autocast pays the most); peak memory ours/native <= 1.00. Ratios are given by both
+estimators of ``benchmarks.timing.ratio_stats`` with their bootstrap 95% intervals; the
+verdict reads the median of per-round ratios.
 
 With ``--device cuda``: float16 (the GPU's autocast default) and the scalers on "cuda";
 the GPT is GPT-2 small's shape (124M parameters, head tied to the embedding, 8 x 1024
 tokens), the CNN a ResNet-50 (channels_last, batch 128 at 224 x 224; cuDNN's heuristics,
 benchmark mode off: its autotuning took half a minute of the GPU run's time budget), the
-LSTM 2 layers of 1024; the MLP is the same overhead-bound model. Each sample
-is one or more steps between ``torch.cuda.synchronize()`` calls; fp32 runs in true fp32
+LSTM 2 layers of 1024; the MLP is the same overhead-bound model; GPT-2 medium (355M
+parameters, 16 x 1024 tokens) is the GPU-bound one, where host time should hide behind
+the device's. Each sample is several steps between ``torch.cuda.synchronize()`` calls
+(``CUDA_STEPS_PER_SAMPLE``), 11 rounds; fp32 runs in true fp32
 (TF32 off for matmuls and cuDNN). Peak memory is ``torch.cuda.max_memory_allocated`` over
 3 steps after a warm-up step and ``reset_peak_memory_stats``, one process per
 configuration and model, all at the same time on a GPU of 40 GiB or more (each process
@@ -42,11 +47,11 @@ import torch
 
 import dispatch_amp
 from benchmarks import models as M
-from benchmarks.timing import interleaved, ratio_stats
+from benchmarks.timing import interleaved, prefixed, ratio_stats
 from dispatch_amp._peak_rss import peak_rss_mb, reset_peak_rss
 
-from .common import (Table, amp_dtype, device_of, failure, free_device_memory, gpu_memory_gib, no_tf32, run_children,
-                     verdict)
+from .common import (ESTIMATORS_NOTE, Table, amp_dtype, device_of, failure, free_device_memory, gpu_memory_gib, no_tf32,
+                     ratio_columns, run_children, verdict)
 
 # The scaler rows time the scaler's bookkeeping on bf16, where no scaler is needed; ours
 # says so once per scaler (AmpNumericsWarning), which is not news here.
@@ -90,7 +95,22 @@ def case(model: str, quick: bool, device: torch.device | str = "cpu"):
         torch.manual_seed(2)
         idx, tags = torch.randint(0, vocab, (b, t)), torch.randint(0, 20, (b, t))
         return f"LSTM tagger emb {emb}, hidden {hidden}, {b}x{t} tok", M.RNNTagger(vocab, emb, hidden, 20, "lstm"), (idx, tags)
+    if model == "gpt-medium":
+        return _gpt_medium(quick, torch.device("cpu"))
     raise ValueError(f"unknown model {model!r}")
+
+
+def _gpt_medium(tiny: bool, dev: torch.device):
+    """GPT-2 medium (24 blocks, 16 heads, d_model 1024, tied head) at 16 x 1024 tokens, the
+    GPU-bound model; ``tiny``: its op structure at d_model 64, 4 x 32 tokens (CPU, dry runs)."""
+    cfg, b, t = (M.tiny_width(M.GPT2_MEDIUM), 4, 32) if tiny else (M.GPT2_MEDIUM, 16, 1024)
+    torch.manual_seed(4)
+    gpt = M.gpt2(cfg)
+    n = sum(p.numel() for p in gpt.parameters())
+    desc = (f"GPT-2 medium{' structure' if tiny else ''} {n / 1e6:.3g}M params (vocab {cfg.vocab}, d {cfg.d_model}, "
+            f"{cfg.n_heads} heads, {cfg.n_blocks} blocks, tied head), {b}x{t} tok")
+    idx, tgt = M.gpt_batch(cfg, b, t, generator=torch.Generator().manual_seed(5))
+    return desc, gpt.to(dev), (idx.to(dev), tgt.to(dev))
 
 
 def gpu_case(model: str, quick: bool, device: torch.device | str = "cuda"):
@@ -112,11 +132,10 @@ def gpu_case(model: str, quick: bool, device: torch.device | str = "cuda"):
     if model == "gpt":
         if quick:
             cfg, b, t = M.GPTConfig(vocab=512, d_model=64, n_heads=2, n_blocks=2, max_len=32), 4, 32
-        else:  # GPT-2 small: vocab padded to a multiple of 64 (50257 -> 50304), as nanoGPT does
-            cfg, b, t = M.GPTConfig(vocab=50304, d_model=768, n_heads=12, n_blocks=12, max_len=1024), 8, 1024
+        else:
+            cfg, b, t = M.GPT2_SMALL, 8, 1024
         torch.manual_seed(0)
-        gpt = M.GPT(cfg)
-        gpt.head.weight = gpt.tok.weight  # tied, as GPT-2 (deepcopy keeps the tie)
+        gpt = M.gpt2(cfg)
         n = sum(p.numel() for p in gpt.parameters())
         desc = (f"GPT{'' if quick else '-2 small'} {n / 1e6:.3g}M params (vocab {cfg.vocab}, d {cfg.d_model}, "
                 f"{cfg.n_heads} heads, {cfg.n_blocks} blocks, tied head), {b}x{t} tok")
@@ -139,13 +158,16 @@ def gpu_case(model: str, quick: bool, device: torch.device | str = "cuda"):
         net = M.RNNTagger(vocab, emb, hidden, 20, "lstm", layers=layers)
         return (f"LSTM tagger emb {emb}, hidden {hidden}, {layers} layer{'s' if layers > 1 else ''}, {b}x{t} tok",
                 net.to(dev), (idx.to(dev), tags.to(dev)))
+    if model == "gpt-medium":
+        return _gpt_medium(quick, dev)
     raise ValueError(f"unknown model {model!r}")
 
 
-MODELS = ("mlp", "gpt", "cnn", "lstm")
-# CUDA: steps per timed sample, so that a sample of a small model is not one step's
-# launch latency and synchronization alone.
-CUDA_STEPS_PER_SAMPLE = {"mlp": 10, "lstm": 2, "gpt": 1, "cnn": 1}
+MODELS = ("mlp", "gpt", "cnn", "lstm", "gpt-medium")
+# CUDA: steps per timed sample. One synchronized step of GPT-2 small on a shared host
+# varied per round by as much as ours/native itself (per-round ratios 0.94 to 1.26 on an
+# H100), and a small model's one step is mostly launch latency and synchronization.
+CUDA_STEPS_PER_SAMPLE = {"mlp": 10, "lstm": 5, "gpt": 5, "cnn": 5, "gpt-medium": 2}
 
 
 def make_step(model, batch, config: str, device: torch.device | str = "cpu"):
@@ -195,7 +217,7 @@ def _time_model(name: str, quick: bool, rounds: int, device: torch.device | None
     for loop, nat, ours in (("plain", "native", "ours"), ("GradScaler", "native+scaler", "ours+scaler")):
         st = ratio_stats(s[ours], s[nat])
         rows.append({
-            "model": desc, "loop": loop, "rounds": rounds,
+            "model": desc, "loop": loop, "rounds": rounds, "steps_per_sample": k,
             "fp32_ms": ms["fp32"] if loop == "plain" else None, "native_ms": ms[nat], "ours_ms": ms[ours],
             **st, "target": f"<= {target:.2f}", "met": verdict(st["ratio"], target),
         })
@@ -203,11 +225,11 @@ def _time_model(name: str, quick: bool, rounds: int, device: torch.device | None
     if device.type == "cuda" and name in HEADLINE_MODELS:
         nat, ours = ratio_stats(s["fp32"], s["native+scaler"]), ratio_stats(s["fp32"], s["ours+scaler"])
         headline = {
-            "model": desc, "rounds": rounds, "fp32_ms": ms["fp32"], "native_ms": ms["native+scaler"],
-            "ours_ms": ms["ours+scaler"], "native_speedup": nat["ratio"], "ours_speedup": ours["ratio"],
-            "native_speedup_min": nat["ratio_min"], "native_speedup_max": nat["ratio_max"],
-            "ours_speedup_min": ours["ratio_min"], "ours_speedup_max": ours["ratio_max"],
-            "ours/native": ratio_stats(s["ours+scaler"], s["native+scaler"])["ratio"],
+            "model": desc, "rounds": rounds, "steps_per_sample": k, "fp32_ms": ms["fp32"],
+            "native_ms": ms["native+scaler"], "ours_ms": ms["ours+scaler"],
+            **prefixed(nat, "native_speedup_"), **prefixed(ours, "ours_speedup_"),
+            "native_speedup": nat["ratio"], "ours_speedup": ours["ratio"],
+            **ratio_stats(s["ours+scaler"], s["native+scaler"]),
         }
     return rows, headline
 
@@ -275,13 +297,15 @@ def _timing_table(rounds: int, device: torch.device) -> Table:
     else:
         what = "CPU bf16, SGD"
     return Table(
-        f"train-step: ms/step ({what}), median of {rounds} interleaved rounds; ratio = median per-round ours/native",
+        f"train-step: ms/step ({what}), median of {rounds} interleaved rounds",
         [("model", "model", "{}"), ("loop", "loop", "{}"), ("fp32_ms", "fp32", "{:.1f}"),
-         ("native_ms", "native", "{:.1f}"), ("ours_ms", "ours", "{:.1f}"), ("ratio", "ours/native", "{:.3f}"),
+         ("native_ms", "native", "{:.1f}"), ("ours_ms", "ours", "{:.1f}"), *ratio_columns(),
          ("ratio_min", "min", "{:.3f}"), ("ratio_max", "max", "{:.3f}"), ("target", "target", "{}"), ("met", "met?", "{}")],
-        note="GradScaler rows: native autocast + torch.amp.GradScaler vs ours + dispatch_amp.GradScaler."
-             + (" CUDA: each sample synchronized (torch.cuda.synchronize) before and after; MLP 10 and LSTM 2 "
-                "steps per sample." if device.type == "cuda" else ""),
+        note="GradScaler rows: native autocast + torch.amp.GradScaler vs ours + dispatch_amp.GradScaler. "
+             "The verdict reads the median of per-round ratios. " + ESTIMATORS_NOTE
+             + (" CUDA: each sample synchronized (torch.cuda.synchronize) before and after, and several steps, "
+                "reported per step: " + ", ".join(f"{m} {k}" for m, k in CUDA_STEPS_PER_SAMPLE.items()) + "."
+                if device.type == "cuda" else ""),
     )
 
 
@@ -343,9 +367,9 @@ CUDA_DESCRIPTIONS = {}  # model -> description, filled as the CUDA models are bu
 
 
 def _run_cuda(opts, device: torch.device):
-    # 21 rounds: the GPU's per-round ratios vary far less than a shared CPU's; a GPT-2 /
-    # ResNet-50 round (fp32 and four fp16 steps) is about half a second on an H100.
-    rounds = 3 if opts.quick else 21
+    # 11 rounds of several steps a sample: a GPT-2 / ResNet-50 round (fp32 and four fp16
+    # configurations, 5 steps each) is about 2.5 s on an H100.
+    rounds = 3 if opts.quick else 11  # each sample several steps (CUDA_STEPS_PER_SAMPLE)
     timing = _timing_table(rounds, device)
     headline = Table(
         "train-step headline: fp16 mixed precision with GradScaler vs fp32 (TF32 off: "
@@ -353,9 +377,9 @@ def _run_cuda(opts, device: torch.device):
         f"median of {rounds} interleaved rounds",
         [("model", "model", "{}"), ("fp32_ms", "fp32 (no TF32)", "{:.1f}"),
          ("native_ms", "native fp16 + torch GradScaler", "{:.1f}"), ("ours_ms", "ours fp16 + our GradScaler", "{:.1f}"),
-         ("native_speedup", "speedup native", "{:.2f}x"), ("ours_speedup", "speedup ours", "{:.2f}x"),
-         ("ours/native", "ours/native", "{:.3f}")],
-        note="speedup = median of per-round fp32 time / mixed-precision time (the train-step table's samples).",
+         *ratio_columns("native_speedup_", "speedup native"), *ratio_columns("ours_speedup_", "speedup ours"),
+         *ratio_columns()],
+        note="speedup = fp32 time / mixed-precision time (the train-step table's samples). " + ESTIMATORS_NOTE,
     )
     if opts.quick:
         headline.title += " (quick sizes: a smoke test, not a measurement)"
@@ -384,10 +408,13 @@ def _run_cuda(opts, device: torch.device):
     yield headline
 
     # Every (model, configuration) process at once on a large GPU: GPT-2 small and
-    # ResNet-50 peak under 8 GiB each, all eight under 30 GiB.
+    # ResNet-50 peak under 8 GiB each, all eight under 30 GiB. GPT-2 medium's two after
+    # them, one at a time unless the GPU holds both (16 x 1024 tokens: tens of GiB each).
     memory = _memory_table(device)
     cmds = {(name, config): _memory_cmd(name, config, opts.quick, device) for name in MODELS for config in ("native", "ours")}
-    results = run_children(cmds, concurrent=gpu_memory_gib() >= 40)
+    big = {key: cmd for key, cmd in cmds.items() if key[0] == "gpt-medium"}
+    results = run_children({key: cmd for key, cmd in cmds.items() if key not in big}, concurrent=gpu_memory_gib() >= 40)
+    results.update(run_children(big, concurrent=opts.quick or gpu_memory_gib() >= 120))
     for name in MODELS:
         desc = CUDA_DESCRIPTIONS.get(name, name)
         try:

@@ -42,6 +42,8 @@ __all__ = [
     "fp8",
     "engine",
     "CompiledEngineWarning",
+    "config",
+    "policy_diff",
 ]
 
 # Loading the subpackage ``autocast`` binds it here under that name; this import then
@@ -75,6 +77,8 @@ from .torch_patch import patch_torch  # noqa: E402
 from . import fp8  # noqa: E402
 from ._compiled import engine  # noqa: E402  (builds nothing at import: see _compiled/loader.py)
 from .warning_types import CompiledEngineWarning  # noqa: E402
+from . import config  # noqa: E402
+from .config import policy_diff  # noqa: E402
 from . import _pickled_paths  # noqa: E402
 
 _pickled_paths.register(__name__)  # scalers and policies pickled before the parts existed

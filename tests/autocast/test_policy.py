@@ -233,3 +233,193 @@ def test_only_linear_and_its_matmuls_can_be_fp8_and_a_typo_fails():
         Policy.for_device("cpu").with_ops(fp8=["bmm"])
     with pytest.raises(ValueError, match="unknown op aten::adddmm"):
         Policy.for_device("cpu").with_ops(fp8=["adddmm"])
+
+
+# -- numerics pinned to a release ----------------------------------------------------------
+import warnings  # noqa: E402
+
+from hypothesis import given, strategies as st  # noqa: E402
+
+from dispatch_amp.autocast import release_tables  # noqa: E402
+
+
+def _pinned(device, release):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", amp.AmpNumericsWarning)
+        return Policy.for_device(device, numerics=release)
+
+
+@pytest.mark.parametrize("device", sorted(op_tables.DEVICE_TABLES))
+def test_the_running_release_pinned_is_the_default_policy(device):
+    release = release_tables.running_release()
+    if release not in release_tables.RELEASES:
+        pytest.skip(f"no table ships for torch {torch.__version__}")
+    assert Policy.for_device(device, numerics=release) is Policy.for_device(device)
+
+
+@pytest.mark.parametrize("release", release_tables.RELEASES)
+@pytest.mark.parametrize("device", sorted(op_tables.DEVICE_TABLES))
+def test_a_pinned_policy_casts_as_the_releases_recorded_table(device, release):
+    # Every overload the release registers (and this torch has) gets the release's kind;
+    # every other castable overload of a listed op, and every op not listed, none.
+    pinned = _pinned(device, release)
+    recorded = release_tables.registrations(release, device)
+    listed = {}
+    for kind, entries in recorded.items():
+        for entry in entries:
+            listed[entry if "." in entry else entry + ".default"] = kind
+    for name in pinned.rules:
+        for op in policy_module.castable_overloads(name):
+            entry = f"{name}.{op._overloadname}"
+            tensor_taking = any("Tensor" in str(a.type) for a in op._schema.arguments)
+            if tensor_taking:
+                assert pinned.kind_of(op) == listed.get(entry), entry
+    assert {e.partition(".")[0] for e in listed if _exists(e)} == set(pinned.rules)
+
+
+def _exists(entry):
+    op, _, overload = entry.partition("::")[2].partition(".")
+    packet = getattr(torch.ops.aten, op, None)
+    return packet is not None and overload in packet.overloads()
+
+
+def _running_before(release):
+    def as_tuple(text):
+        return tuple(int(part) for part in text.split("."))
+
+    return as_tuple(release_tables.running_release()) < as_tuple(release)
+
+
+def test_torch_2_11_cuda_left_rms_norm_alone_and_the_engine_follows(monkeypatch):
+    # The CUDA tables applied to CPU tensors: 2.11 did not list rms_norm, so a float16
+    # input stays float16; from 2.12 on it runs in float32. The running torch's own table
+    # is 2.11's on 2.11 itself.
+    from dispatch_amp.autocast._state import DeviceContext
+
+    old, new = _pinned("cuda", "2.11"), _pinned("cuda", "2.12")
+    assert old.kind_of("rms_norm") is None and new.kind_of("rms_norm") == "fp32"
+    assert old != new and old.without_ops("mm") == _pinned("cuda", "2.11").without_ops("mm")
+    here_dtype = torch.float16 if _running_before("2.12") else torch.float32
+    assert (old == Policy.for_device("cuda")) == _running_before("2.12")
+    x, w = torch.randn(4, 8, dtype=torch.float16), torch.rand(8, dtype=torch.float16)
+    for policy, dtype in ((old, torch.float16), (new, torch.float32), (Policy.for_device("cuda"), here_dtype)):
+        with amp.autocast("cpu", dtype=torch.float16, policy=policy):
+            got = torch.nn.functional.rms_norm(x, (8,), w)
+            assert got.dtype == dtype
+            assert torch.mm(x.float(), x.float().t()).dtype == torch.float16
+        want = torch.nn.functional.rms_norm(x.to(dtype), (8,), w.to(dtype))
+        assert torch.equal(got, want)
+    # On the CUDA device type another release's table is a policy of one's own for the
+    # engine; the running release's is the built-in one.
+    assert DeviceContext("cuda", True, torch.float16, old, True).custom == (release_tables.running_release() != "2.11")
+    if release_tables.running_release() in release_tables.RELEASES:
+        here = _pinned("cuda", release_tables.running_release())
+        assert not DeviceContext("cuda", True, torch.float16, here, True).custom
+
+
+def test_an_op_the_release_cast_and_this_torch_lacks_is_reported_once(monkeypatch):
+    monkeypatch.setattr(policy_module, "_PINNED", {})
+    lacking = "aten::linalg_matrix_sqrth" if release_tables.running_release() < "2.14" else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = Policy.for_device("cpu", numerics="2.14")
+        again = Policy.for_device("cpu", numerics="2.14")
+    assert first is again
+    ours = [w for w in caught if issubclass(w.category, amp.AmpNumericsWarning)]
+    if lacking is None:
+        assert not ours
+    else:
+        assert len(ours) == 1 and lacking in str(ours[0].message) and "torch 2.14's cpu" in str(ours[0].message)
+        assert ours[0].filename == __file__
+    assert "aten::cholesky" not in first.rules and first.kind_of("linalg_cholesky") == "fp32"
+
+
+@pytest.mark.parametrize("bad", ["2.10", "2.16", "latest", "2", 2.11, ""])
+def test_a_release_no_table_ships_for_is_refused_listing_those_that_do(bad):
+    with pytest.raises(ValueError, match=r"names no shipped torch release; shipped releases: \['2.11', "):
+        Policy.for_device("cuda", numerics=bad)
+    with pytest.raises(ValueError, match="built-in policies"):
+        Policy.for_device("tpu", numerics="2.11")
+
+
+def test_pinned_policies_are_values_sharing_their_plans():
+    from dispatch_amp.autocast._routing import plan_for
+
+    a = _pinned("cpu", "2.14").with_ops(fp32=["mm"])
+    b = Policy(a.table(), name="another name")
+    assert a == b and hash(a) == hash(b) and plan_for(a, "cpu") is plan_for(b, "cpu")
+    # 2.13's CPU table is 2.14's with cholesky and qr (2.11 and 2.12 register named-tensor
+    # overloads as well).
+    if release_tables.running_release() == "2.13":
+        c = Policy.for_device("cpu").without_ops("cholesky", "qr").with_ops(fp32=["mm"])
+        assert c == a and plan_for(c, "cpu") is plan_for(a, "cpu")
+
+
+def test_patch_torch_applies_a_pinned_policy():
+    x, w = torch.randn(4, 8, dtype=torch.float16), torch.rand(8, dtype=torch.float16)
+    with amp.patch_torch(policy=_pinned("cuda", "2.11")):
+        with torch.autocast("cpu", dtype=torch.float16):
+            assert torch.nn.functional.rms_norm(x, (8,), w).dtype == torch.float16
+    with amp.patch_torch(policy=_pinned("cuda", "2.12")):
+        with torch.autocast("cpu", dtype=torch.float16):
+            assert torch.nn.functional.rms_norm(x, (8,), w).dtype == torch.float32
+
+
+# -- as data --------------------------------------------------------------------------------
+def test_to_dict_from_dict_round_trip_exactly():
+    for policy in (Policy.for_device("cpu"), _pinned("cuda", "2.11").with_ops(fp8=["linear"], name="x"),
+                   Policy.for_device("cpu").with_ops(lower=["dispatch_amp_test::scale2"]), Policy({})):
+        again = Policy.from_dict(policy.to_dict())
+        assert again == policy and again._key == policy._key and again.name == policy.name
+        assert again.to_dict() == policy.to_dict()
+
+
+_OPS = sorted(Policy.for_device("cuda").rules) + ["aten::cumsum.default", "aten::mm.dtype", "dispatch_amp_test::scale2"]
+
+
+@st.composite
+def policies(draw):
+    device = draw(st.sampled_from(sorted(op_tables.DEVICE_TABLES)))
+    release = draw(st.sampled_from([None, *release_tables.RELEASES]))
+    policy = _pinned(device, release) if release else Policy.for_device(device)
+    removed = draw(st.lists(st.sampled_from(sorted(policy.rules)), unique=True, max_size=5))
+    if removed:
+        policy = policy.without_ops(*removed)
+    changes: dict = {}
+    for op in draw(st.lists(st.sampled_from(_OPS), unique_by=lambda o: o.partition(".")[0], max_size=6)):
+        kind = draw(st.sampled_from(["lower", "fp32", "fp32_unless_dtype", "promote", "banned"]))
+        changes.setdefault(kind, []).append(op)
+    if draw(st.booleans()):
+        changes.setdefault("fp8", []).append("linear")
+        changes = {k: [o for o in v if o.partition(".")[0] not in ("linear", "aten::linear") or k == "fp8"]
+                   for k, v in changes.items()}
+    name = draw(st.text(max_size=12))
+    return policy.with_ops(**changes, name=name) if changes else policy
+
+
+@given(policies())
+def test_any_policy_round_trips_through_its_dict(policy):
+    again = Policy.from_dict(policy.to_dict())
+    assert again == policy and again.name == policy.name and again.table() == policy.table()
+
+
+def test_from_dict_names_the_key_at_fault():
+    from dispatch_amp.config import ConfigError
+
+    good = Policy.for_device("cpu").to_dict()
+    cases = [
+        ({**good, "rulez": {}}, "rulez", r"unknown key 'rulez' \(did you mean 'rules'\?\)"),
+        ({**good, "rules": {**good["rules"], "lowr": ["mm"]}}, "rules.lowr", "did you mean 'lower'"),
+        ({**good, "rules": {"fp32": ["aten::mmm"]}}, "rules.fp32", "unknown op aten::mmm"),
+        ({**good, "rules": {"fp32": "aten::mm"}}, "rules.fp32", "a list of op names"),
+        ({**good, "rules": {"fp8": ["bmm"]}}, "rules.fp8", "cannot be fp8"),
+        ({**good, "rules": {"fp32": ["mm"], "lower": ["mm"]}}, "rules", "registered twice"),
+        ({**good, "format": 2}, "format", "newer dispatch_amp"),
+        ({**good, "kind": "plan"}, "kind", "reads kind 'policy'"),
+        ({k: v for k, v in good.items() if k != "rules"}, "rules", "missing"),
+        ({**good, "name": 3}, "name", "a string"),
+    ]
+    for data, key, message in cases:
+        with pytest.raises(ConfigError, match=message) as caught:
+            Policy.from_dict(data)
+        assert caught.value.key == key

@@ -552,3 +552,36 @@ def test_true_precisions_at_o2_train_a_bound_delayed_recipe(same, precision, dty
     assert torch.equal(state["sites"]["net.0"]["input_history"], torch.stack([want] * steps + [torch.tensor(0.0)]))
     scales = [s[f"{role}_scale"] for s in state["sites"].values() for role in ("input", "weight")]
     assert all(torch.isfinite(t).all() and (t > 0).all() for t in scales)
+
+
+def test_a_resume_runs_the_policy_the_checkpoint_was_trained_with(tmp_path, same):
+    # Trained under a policy of its own (linear in float32); resumed by a plugin given
+    # none: the checkpoint's policy is applied (with a warning naming the ops), so the
+    # resumed steps match the uninterrupted run's.
+    policy = amp.Policy.for_device("cpu").with_ops(fp32=["linear", "addmm"], name="linear in fp32")
+
+    def ours(p):
+        return MixedPrecision("bf16-mixed", "cpu", policy=p)
+
+    straight, _ = _fit(ours(policy), 5, inf_step=None)
+    head, trainer = _fit(ours(policy), 2, inf_step=None)
+    path = tmp_path / "head.ckpt"
+    trainer.save_checkpoint(path)
+    saved = torch.load(path, weights_only=True)
+    assert amp.config.load_state_dict(saved[amp.config.CHECKPOINT_KEY]) == policy
+
+    plugin = ours(None)
+    with pytest.warns(amp.AmpNumericsWarning, match=r"'linear in fp32' differs.*aten::addmm.*resumes with the checkpoint's"):
+        tail, _ = _fit(plugin, 5, inf_step=None, ckpt_path=path)
+    assert plugin.policy == policy
+    assert same(tail.losses, straight.losses[2:]) and same(list(tail.parameters()), list(straight.parameters()))
+
+
+def test_a_bad_policy_in_a_checkpoint_fails_and_changes_nothing():
+    plugin = MixedPrecision("16-mixed", "cpu", scaler_options={"init_scale": 8.0})
+    ckpt = {}
+    MixedPrecision("16-mixed", "cpu", scaler_options={"init_scale": 2.0}).on_save_checkpoint(ckpt)
+    ckpt[amp.config.CHECKPOINT_KEY]["rules"]["lowr"] = ckpt[amp.config.CHECKPOINT_KEY]["rules"].pop("lower")
+    with pytest.raises(amp.config.ConfigError, match="rules.lowr: unknown cast kind 'lowr'"):
+        plugin.on_load_checkpoint(ckpt)
+    assert plugin.scaler.get_scale() == 8.0 and plugin.policy is None

@@ -314,3 +314,36 @@ def test_fp16_on_cpu_trains_float16_and_says_the_stock_trainer_stays_float32(tmp
         warnings.simplefilter("always")
         OurGpuLikeTrainer(model=_model(), args=args(fp16=True))
     assert not [w for w in caught if "dispatch_amp's Trainer" in str(w.message)]
+
+
+def test_a_resume_runs_the_policy_the_checkpoint_was_trained_with(tmp_path, same):
+    # The checkpoint holds its policy as a reviewable file; a Trainer resumed without
+    # amp_policy runs it (warning), and continues as the uninterrupted run did.
+    policy = amp.Policy.for_device("cpu").with_ops(fp32=["linear", "addmm", "mm"], name="gemms in fp32")
+
+    class PolicyTrainer(OurTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, amp_policy=PolicyTrainer.policy, **kwargs)
+
+    PolicyTrainer.policy = policy
+    whole = _run(PolicyTrainer, tmp_path, "bf16", name="whole", inf_step=None)
+    assert whole.inner_dtypes == {torch.float32}
+    checkpoint = tmp_path / "whole" / "checkpoint-3"
+    assert amp.config.load(checkpoint / "dispatch_amp_policy.json") == policy
+
+    AcceleratorState._reset_state(True)
+    PolicyTrainer.policy = None
+    with pytest.warns(amp.AmpNumericsWarning, match="'gemms in fp32' differs.*resumes with the checkpoint's"):
+        tail = _run(PolicyTrainer, tmp_path, "bf16", resume=str(checkpoint), name="tail", inf_step=None)
+    assert tail.accelerator.dispatch_amp.policy == policy and tail.inner_dtypes == {torch.float32}
+    assert same(tail.losses, whole.losses[3:]) and same(list(tail.model.parameters()), list(whole.model.parameters()))
+
+
+def test_a_bad_policy_file_in_a_checkpoint_fails_naming_the_line(tmp_path):
+    whole = _run(OurTrainer, tmp_path, "bf16", name="whole", inf_step=None)
+    path = tmp_path / "whole" / "checkpoint-3" / "dispatch_amp_policy.json"
+    path.write_text(path.read_text().replace('"fp32"', '"fp23"'))
+    AcceleratorState._reset_state(True)
+    with pytest.raises(amp.config.ConfigError, match=r"dispatch_amp_policy.json:\d+: rules.fp23: unknown cast kind"):
+        _run(OurTrainer, tmp_path, "bf16", resume=str(path.parent), name="tail", inf_step=None)
+    assert whole.accelerator.dispatch_amp.policy is None

@@ -18,14 +18,18 @@ Example::
 
 from __future__ import annotations
 
+import difflib
 import types
+import warnings
 from collections.abc import Iterable, Mapping
 
 import torch
 from torch._ops import OpOverload, OpOverloadPacket
 
 from .. import _torch_compat
-from . import op_tables
+from .._config_error import ConfigError
+from ..warning_types import AmpNumericsWarning
+from . import op_tables, release_tables
 from .op_tables import BANNED, FP8, FP8_OPS, FP32, FP32_UNLESS_DTYPE, KINDS, LOWER, PROMOTE, CastKind
 
 __all__ = ["Policy", "CastKind", "LOWER", "FP32", "FP32_UNLESS_DTYPE", "PROMOTE", "BANNED", "FP8"]
@@ -217,21 +221,35 @@ class Policy:
         self._by_kind = {kind: frozenset(names) for kind, names in by_kind.items()}
 
     @classmethod
-    def for_device(cls, device_type: str) -> Policy:
-        """The built-in policy of ``"cuda"``, ``"cpu"``, ``"xpu"`` or ``"mps"``, matching
-        native autocast's table for that device type in the installed torch.
+    def for_device(cls, device_type: str, numerics: str | None = None) -> Policy:
+        """The built-in policy of ``"cuda"``, ``"cpu"``, ``"xpu"`` or ``"mps"``.
+
+        ``numerics=None`` (default): native autocast's table for that device type in the
+        installed torch. ``numerics="2.11"`` (any release in
+        ``release_tables.RELEASES``): that release's native table, whatever torch is
+        installed, so an upgrade of torch keeps a model's casts. An op the release cast
+        that the installed torch no longer has is reported once (an
+        ``AmpNumericsWarning`` naming it); no call can reach it here.
+
+        A pinned policy is an ordinary ``Policy``: equal to the default one where the
+        tables agree (the installed release, say), and otherwise applied by the engine
+        as any policy of one's own.
 
         Example::
 
-            Policy.for_device("cuda").kind_of("softmax")   # 'fp32_unless_dtype'
+            Policy.for_device("cuda").kind_of("softmax")                   # 'fp32_unless_dtype'
+            Policy.for_device("cuda", numerics="2.11").kind_of("rms_norm")  # None: 2.11 left it alone
         """
         try:
-            return _BUILTIN[device_type]
+            builtin = _BUILTIN[device_type]
         except (KeyError, TypeError):
             raise ValueError(
                 f"no built-in policy for device type {device_type!r}; "
                 f"built-in policies: {sorted(_BUILTIN)}"
             ) from None
+        if numerics is None:
+            return builtin
+        return _pinned(device_type, numerics)
 
     # -- reading ------------------------------------------------------------------------
     @property
@@ -341,6 +359,75 @@ class Policy:
             table[kind].append(entry)
         return cls(table, name=name)
 
+    # -- as data ----------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """The policy as JSON- and TOML-ready data: ``{"kind": "policy", "format": 1,
+        "name": ..., "rules": {kind: [op or overload names]}}``; ``Policy.from_dict`` reads
+        it back to an equal policy of the same name. ``dispatch_amp.config.dump`` writes
+        it to a file.
+
+        Example::
+
+            >>> d = Policy.for_device("cpu").with_ops(fp32=["mm"]).to_dict()
+            >>> d["kind"], d["format"], "aten::mm" in d["rules"]["fp32"]
+            ('policy', 1, True)
+            >>> Policy.from_dict(d) == Policy.for_device("cpu").with_ops(fp32=["mm"])
+            True
+        """
+        return {
+            "kind": "policy",
+            "format": POLICY_FORMAT,
+            "name": self.name,
+            "rules": {kind.value: list(names) for kind, names in self.table().items() if names},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> Policy:
+        """The policy ``to_dict`` wrote. Validated: a wrong or misspelt key, an unknown cast
+        kind, an unknown op raise ``dispatch_amp.config.ConfigError`` naming the key
+        (``e.key``, e.g. ``"rules.fp32"``).
+
+        Example::
+
+            >>> Policy.from_dict({"kind": "policy", "format": 1, "rules": {"fp32": ["aten::mm"]}}).kind_of("mm")
+            'fp32'
+        """
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"a policy is a table of keys {sorted(_POLICY_KEYS)}, got {type(data).__name__}")
+        _check_keys(data, _POLICY_KEYS, required=("kind", "format", "rules"), where="")
+        if data["kind"] != "policy":
+            raise ConfigError(f"kind = {data['kind']!r}: Policy.from_dict reads kind 'policy'", key="kind",
+                              value=data["kind"])
+        fmt = data["format"]
+        if type(fmt) is not int or not 1 <= fmt <= POLICY_FORMAT:
+            raise ConfigError(
+                f"format = {fmt!r}: this dispatch_amp reads policy formats 1 to {POLICY_FORMAT}"
+                + (" (a newer dispatch_amp wrote it: upgrade)" if type(fmt) is int and fmt > POLICY_FORMAT else ""),
+                key="format", value=fmt)
+        name = data.get("name", "custom")
+        if not isinstance(name, str):
+            raise ConfigError(f"name = {name!r}: a policy's name is a string", key="name", value=name)
+        rules = data["rules"]
+        if not isinstance(rules, Mapping):
+            raise ConfigError(f"rules: a table of cast kind -> ops, got {type(rules).__name__}", key="rules")
+        kinds = [k.value for k in KINDS]
+        _check_keys(rules, kinds, required=(), where="rules.", what="cast kind")
+        for kind, ops in rules.items():
+            if not isinstance(ops, (list, tuple)) or not all(isinstance(op, str) for op in ops):
+                raise ConfigError(f"rules.{kind}: a list of op names (strings), got {ops!r}", key=f"rules.{kind}")
+            for op in ops:
+                try:
+                    name_, overload = _resolve(op)
+                    _refuse_uncastable(name_, overload)
+                    if kind == FP8.value and name_ not in _FP8_NAMES:
+                        raise ValueError(f"{name_} cannot be fp8: the fp8 path implements {list(_FP8_NAMES)}")
+                except ValueError as e:
+                    raise ConfigError(f"rules.{kind}: {op!r}: {e}", key=f"rules.{kind}", value=op) from None
+        try:
+            return cls(rules, name=name)
+        except ValueError as e:  # an op under two kinds
+            raise ConfigError(f"rules: {e}", key="rules") from None
+
     # -- value semantics ----------------------------------------------------------------
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Policy) and self._key == other._key
@@ -356,6 +443,25 @@ class Policy:
     def __repr__(self) -> str:
         counts = ", ".join(f"{kind}={len(self.ops(kind))}" for kind in KINDS)
         return f"Policy(name={self.name!r}, {counts})"
+
+
+# The version of ``Policy.to_dict``'s layout; ``from_dict`` reads this one and older.
+POLICY_FORMAT = 1
+_POLICY_KEYS = ("kind", "format", "name", "rules")
+
+
+def _check_keys(data: Mapping, allowed, *, required, where: str, what: str = "key") -> None:
+    """ConfigError naming the first key of ``data`` not in ``allowed`` (with the nearest
+    allowed one), or the first ``required`` key missing."""
+    for key in data:
+        if key not in allowed:
+            near = difflib.get_close_matches(str(key), [str(a) for a in allowed], n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ConfigError(f"{where}{key}: unknown {what} {key!r}{hint}; known: {list(allowed)}",
+                              key=f"{where}{key}", value=key)
+    for key in required:
+        if key not in data:
+            raise ConfigError(f"{where}{key}: missing (a policy has keys {list(allowed)})", key=f"{where}{key}")
 
 
 def policy_with_fp8_ops(policy: Policy) -> Policy:
@@ -396,54 +502,103 @@ def _policy_from_table(table: Mapping[str, Iterable[str]], name: str) -> Policy:
     return Policy(table, name=name)
 
 
-def _builtin_table(table: Mapping[str, Iterable[str]], key: str) -> tuple[dict[str, list[str]], tuple[str, ...]]:
+def _table_of_registrations(by_kind: Mapping[str, Iterable[str]]) -> tuple[dict[str, list[str]], list[str]]:
+    """A policy table, and the entries this torch lacks, from native's registrations by
+    kind (``{"fp32": ["aten::pow.Tensor_Scalar", ...]}``: this torch's, or a release's).
+
+    An op is kept as the op where the registrations cover every overload of it that takes
+    a tensor and a rule may cover, else as the overloads registered (``_convolution.deprecated``
+    on CPU: a call of ``_convolution``'s other overload, as vmap's convolution rules make,
+    is native's to leave alone). An entry whose op or overload this torch does not have
+    (a release's named-tensor overloads on a later torch, an op added later) is returned
+    apart: no call can reach it here.
+    """
+    kept: dict[str, list[str]] = {}
+    missing: list[str] = []
+    for kind, entries in by_kind.items():
+        registered: dict[str, set] = {}
+        for entry in entries:
+            op, _, overload = entry.partition(".")
+            registered.setdefault(op, set()).add(overload or "default")
+        kept[kind] = []
+        for op, overloads in registered.items():
+            namespace, _, op_name = op.partition("::")
+            packet = getattr(getattr(torch.ops, namespace), op_name, None)
+            if not isinstance(packet, OpOverloadPacket):
+                missing.extend(f"{op}.{o}" if o != "default" else op for o in sorted(overloads))
+                continue
+            present = overloads & set(packet.overloads())
+            missing.extend(f"{op}.{o}" for o in sorted(overloads - present))
+            castable = {
+                o._overloadname for o in castable_overloads(op)
+                if any(isinstance(a.type, torch._C.TensorType) or "Tensor" in str(a.type) for a in o._schema.arguments)
+            }
+            if castable <= present:
+                kept[kind].append(op)
+            else:
+                kept[kind].extend(f"{op}.{overload}" for overload in sorted(present & castable))
+    return kept, missing
+
+
+def _builtin_table(table: Mapping[str, Iterable[str]], registered: Mapping[str, Iterable[str]]
+                   ) -> tuple[dict[str, list[str]], tuple[str, ...]]:
     """The part of a built-in table that applies to the installed torch, and the names left out.
 
-    A name is kept where this torch registers it for native autocast's ``key``: as the op
-    where native registers every overload of it that takes a tensor and a rule may cover,
-    else as the overloads native registers (``_convolution.deprecated`` on CPU: a call of
-    ``_convolution``'s other overload, as vmap's convolution rules make, is native's to
-    leave alone). The tables name the union over the supported torch versions and builds,
-    so a name may be left out without being a typo; ``tests/autocast/test_policy.py`` checks
-    that every name left out is one known to differ between versions or builds.
+    ``registered``: the installed torch's registrations for the device, by kind
+    (``release_tables.record``); see ``_table_of_registrations``. The tables name the
+    union over the supported torch versions and builds, so a name may be left out without
+    being a typo; ``tests/autocast/test_policy.py`` checks that every name left out is one
+    known to differ between versions or builds.
     """
-    registered: dict[str, set] = {}
-    for entry in _torch_compat.autocast_registration_overloads(key):
-        op, _, overload = entry.partition(".")
-        registered.setdefault(op, set()).add(overload or "default")
-    kept: dict[str, list[str]] = {}
-    omitted: list[str] = []
-    for kind, names in table.items():
-        kept[kind] = []
-        for name in names:
-            native = registered.get(f"aten::{name}")
-            if native is None:
-                omitted.append(name)
-                continue
-            castable = {
-                op._overloadname for op in castable_overloads(f"aten::{name}")
-                if any(isinstance(a.type, torch._C.TensorType) or "Tensor" in str(a.type) for a in op._schema.arguments)
-            }
-            if castable <= native:
-                kept[kind].append(name)
-            else:
-                kept[kind].extend(f"{name}.{overload}" for overload in sorted(native & castable))
+    kept, _ = _table_of_registrations(registered)
+    ops = {entry.partition(".")[0] for entries in registered.values() for entry in entries}
+    omitted = [name for names in table.values() for name in names if f"aten::{name}" not in ops]
     return kept, tuple(omitted)
 
 
-def _builtin(device_type: str, table, key: str) -> Policy:
-    kept, omitted = _builtin_table(table, key)
+def _builtin(device_type: str, table, registered) -> Policy:
+    kept, omitted = _builtin_table(table, registered)
     OMITTED[device_type] = omitted
     return Policy(kept, name=device_type)
+
+
+def _pinned(device_type: str, release) -> Policy:
+    """``Policy.for_device(device_type, numerics=release)`` (memoized: the warning about
+    ops this torch lacks is given once)."""
+    if not isinstance(release, str) or release_tables.release_of(release) not in release_tables.RELEASES:
+        raise ValueError(
+            f"numerics={release!r} names no shipped torch release; shipped releases: "
+            f"{list(release_tables.RELEASES)} (or numerics=None: the installed torch's table)"
+        )
+    release = release_tables.release_of(release)
+    policy = _PINNED.get((device_type, release))
+    if policy is None:
+        kept, missing = _table_of_registrations(release_tables.registrations(release, device_type))
+        policy = Policy(kept, name=f"{device_type}, torch {release} numerics")
+        if policy == _BUILTIN[device_type]:
+            policy = _BUILTIN[device_type]  # the same table: the same object
+        _PINNED[(device_type, release)] = policy
+        if missing:
+            warnings.warn(
+                f"torch {release}'s {device_type} autocast table casts {missing}, which torch "
+                f"{torch.__version__} does not have: no call can reach them here, and the rest of "
+                f"torch {release}'s table applies",
+                AmpNumericsWarning, stacklevel=3,
+            )
+    return policy
+
+
+_PINNED: dict[tuple[str, str], Policy] = {}
 
 
 # Names of each built-in table that the installed torch does not register (see
 # _builtin_table), by device type.
 OMITTED: dict[str, tuple[str, ...]] = {}
 
+_REGISTERED = release_tables.record(strict=False)
 _BUILTIN = {
-    device_type: _builtin(device_type, table, key)
-    for device_type, (table, key) in op_tables.DEVICE_TABLES.items()
+    device_type: _builtin(device_type, table, _REGISTERED[device_type])
+    for device_type, (table, _key) in op_tables.DEVICE_TABLES.items()
 }
 # The device types with a built-in policy, in the order op_tables lists them.
 BUILTIN_DEVICES = tuple(_BUILTIN)

@@ -29,6 +29,7 @@ Importing this module imports ``accelerate``.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Mapping
 from types import MethodType
 from typing import Any
@@ -77,7 +78,8 @@ def _resolve_dtype(accelerator: Accelerator, dtype: torch.dtype | str | None) ->
 class AmpHooks:
     """The methods :func:`install_amp` puts on one Accelerator; reachable as ``accelerator.dispatch_amp``.
 
-    Attributes: ``device_type``, ``dtype``, ``policy``, ``scaler``, ``fp8``.
+    Attributes: ``device_type``, ``dtype``, ``policy``, ``scaler``, ``fp8``. ``policy`` is read
+    at each forward of a prepared model: setting it (a resume's policy) takes effect at the next.
 
     Example::
 
@@ -138,12 +140,29 @@ class AmpHooks:
         # The same layering as accelerate's own wrapper (float32 conversion outside, autocast
         # inside, the function under __wrapped__), so unwrap_model(keep_fp32_wrapper=False)
         # finds the original forward again.
-        in_amp = self.make_autocast()
+        in_amp = self._policy_following(self.make_autocast())
         model._original_forward = model.forward
         if hasattr(model.forward, "__func__"):
             model.forward = MethodType(convert_outputs_to_fp32(in_amp(model.forward.__func__)), model)
         else:
             model.forward = convert_outputs_to_fp32(in_amp(model.forward))
+
+    def _policy_following(self, region: autocast):
+        """``region`` as a decorator (``region(func)``), with the policy read from these hooks
+        at each call: a policy set after ``prepare`` (the one a resumed checkpoint was
+        trained with, which transformers' Trainer loads after preparing the model) applies."""
+        hooks = self
+
+        def decorate(func):
+            @functools.wraps(func)
+            def decorated(*args, **kwargs):
+                with autocast(region.device_type, region.fast_dtype, region.enabled, region.cache_enabled,
+                              hooks.policy, region.fp8):
+                    return func(*args, **kwargs)
+
+            return decorated
+
+        return decorate
 
     @contextlib.contextmanager
     def autocast(self, autocast_handler=None):

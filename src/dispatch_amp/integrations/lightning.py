@@ -42,7 +42,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision as _LightningMixe
 from lightning.pytorch.plugins.precision import Precision as _LightningPrecision
 
 from ..autocast.context import autocast
-from . import _fp8_state
+from . import _fp8_state, _policy_state
 from ._half import LevelPrecision, grads_to_masters, swap_masters_into
 from ._modes import PolicyPrecision, precision_dtype
 from ._precision_flags import as_list, refuse_missing_device, route
@@ -99,14 +99,18 @@ class MixedPrecision(PolicyPrecision, _LightningMixedPrecision):
 
             >>> ckpt = {"MyAmp": {"scale": 8.0}}
             >>> type("MyAmp", (MixedPrecision,), {})("16-mixed", "cpu").on_save_checkpoint(ckpt)
-            >>> ckpt
-            {'MixedPrecision': {'scale': 8.0}}
+            >>> ckpt["MixedPrecision"], ckpt["dispatch_amp_policy"]["name"]
+            ({'scale': 8.0}, 'cpu')
+
+        The policy in force is filed too (key ``"dispatch_amp_policy"``), so a resume runs
+        the same numerics (``on_load_checkpoint``).
         """
         super().on_save_checkpoint(checkpoint)
         own = type(self).__qualname__
         if own != STOCK_CHECKPOINT_KEY and own in checkpoint:
             checkpoint[STOCK_CHECKPOINT_KEY] = checkpoint.pop(own)
         _fp8_state.save_into(checkpoint, self.fp8)
+        _policy_state.save_into(checkpoint, self.policy, self.device)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Loads the scaler state filed under the stock plugin's name (Lightning reads only ours).
@@ -119,11 +123,14 @@ class MixedPrecision(PolicyPrecision, _LightningMixedPrecision):
             >>> plugin.scaler.get_scale()
             8.0
         """
+        # Read first: a policy entry that does not validate raises before anything is loaded.
+        policy = _policy_state.load_from(checkpoint, self.policy, self.device)
         super().on_load_checkpoint(checkpoint)
         own = type(self).__qualname__
         if own != STOCK_CHECKPOINT_KEY and own not in checkpoint and STOCK_CHECKPOINT_KEY in checkpoint:
             self.load_state_dict(checkpoint[STOCK_CHECKPOINT_KEY])
         _fp8_state.load_from(checkpoint, self.fp8)
+        self.policy = policy  # the one the run was trained with (_policy_state.load_from)
 
 
 class HalfPrecision(LevelPrecision, _LightningHalfPrecision):

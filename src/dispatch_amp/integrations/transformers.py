@@ -28,7 +28,9 @@ has none, i.e. ``fp16=True`` on CPU, does the state go to ``AMP_SCALER_NAME``
 scaler its Accelerator has, so it would fail on that file, while it ignores this one and
 resumes model, optimizer, scheduler and RNG state without the scale (in float32, as it
 trains with ``fp16=True`` on CPU). Ours reads either file. An fp8 recipe's state goes to
-``dispatch_amp_fp8.pt`` beside them, and a resume loads it.
+``dispatch_amp_fp8.pt`` beside them, and a resume loads it. The autocast policy in force
+goes to ``dispatch_amp_policy.json`` (a policy file, ``dispatch_amp.config``), and a
+resume runs it (warning where it differs from the Trainer's ``amp_policy``).
 
 Importing this module imports ``transformers`` and ``accelerate``.
 """
@@ -47,7 +49,7 @@ from transformers.utils import check_torch_load_is_safe
 
 from ..autocast.policy import Policy
 from ..fp8.recipes import Recipe
-from . import _fp8_state
+from . import _fp8_state, _policy_state
 from .accelerate import install_amp
 from .metrics import amp_metrics
 
@@ -165,8 +167,23 @@ class AmpTrainerMixin:
             torch.save(scaler.state_dict(), os.path.join(output_dir, AMP_SCALER_NAME))
         if self.amp_fp8 is not None and self.args.should_save:
             torch.save(self.amp_fp8.state_dict(), os.path.join(output_dir, _fp8_state.FILE_NAME))
+        hooks = getattr(self.accelerator, "dispatch_amp", None)
+        if hooks is not None and self.args.should_save:
+            # The policy in force, so that a resume runs the same numerics (a readable file).
+            _policy_state.save_file(output_dir, hooks.policy, hooks.device_type)
 
     def _load_scaler(self, checkpoint: str | None) -> None:
+        hooks = getattr(self.accelerator, "dispatch_amp", None)
+        if hooks is None or checkpoint is None:
+            self._load_amp_state(checkpoint)
+            return
+        # Read first: a policy file that does not validate raises before anything loads.
+        # The prepared model's forward reads hooks.policy at each call (accelerate.AmpHooks).
+        policy = _policy_state.load_file(checkpoint, hooks.policy, hooks.device_type)
+        self._load_amp_state(checkpoint)
+        hooks.policy = policy
+
+    def _load_amp_state(self, checkpoint: str | None) -> None:
         fp8_path = os.path.join(checkpoint, _fp8_state.FILE_NAME) if checkpoint is not None else None
         if self.amp_fp8 is not None and fp8_path is not None and os.path.isfile(fp8_path):
             check_torch_load_is_safe()
