@@ -8,8 +8,9 @@ Python engine builds; it decides nothing. This module is where the two meet:
   builds or loads it and says why not);
 - each kernel registered at our key is a C++ kernel holding the Python kernel of the
   same overload (``register``), which it calls for everything it does not execute;
-- each plan gets a number, and for each (plan, registered overload) the rule its handler
-  stands for is written into the kernel (``prepare``): ``_handlers.lower``, ``fp32``,
+- each plan gets a number (``prepare``), and for each (plan, registered overload) the rule
+  its handler stands for is written into the kernel at the first call that needs it
+  (``resolve_rule``): ``_handlers.lower``, ``fp32``,
   ``promote``, ``given`` and native's fp32-unless-dtype wrapper with its ``dtype``
   argument; any other handler (fp8, cuDNN RNN, banned ops, the refusals of
   ``_torch_checkpoint``, native's fp32-append-dtype wrapper) stays Python;
@@ -30,7 +31,7 @@ import torch
 from .. import _compiled, _torch_compat
 from . import _cast_cache, _handlers
 
-__all__ = ["active", "register", "prepare", "set_top", "PYTHON", "GIVEN", "LOWER", "FP32", "PROMOTE", "FP32_OPT_DTYPE"]
+__all__ = ["active", "register", "prepare", "resolve_rule", "set_top", "PYTHON", "GIVEN", "LOWER", "FP32", "PROMOTE", "FP32_OPT_DTYPE"]
 
 # Rule kinds, as engine.cpp numbers them.
 PYTHON, GIVEN, LOWER, FP32, PROMOTE, FP32_OPT_DTYPE = range(6)
@@ -45,9 +46,9 @@ class _Engine:
         self.lock = threading.RLock()
         self.chosen = False
         self.module = None
-        self.kernels: dict = {}  # OpOverload -> kernel number
+        self.kernels: list = []  # kernel number -> OpOverload
         self.plans: dict = {}  # Plan -> plan number (None past the C++ side's maximum)
-        self.written: set = set()  # (plan number, kernel number) with their rule written
+        self.numbered: list = []  # plan number -> Plan
 
 
 ENGINE = _Engine()
@@ -68,7 +69,7 @@ def active():
             if module is not None:
                 module.init(
                     _torch_compat.CASTS_LAST_ARGUMENT_FIRST, _cast_cache.SCOPE,
-                    torch.Tensor, torch.nn.Parameter, _cast_cache.lookup,
+                    torch.Tensor, torch.nn.Parameter, _cast_cache.lookup, resolve_rule,
                 )
                 _cast_cache.use_native(module)
             engine.module = module
@@ -89,7 +90,9 @@ def register(module, op, python_kernel) -> None:
     if op._overloadname != "default":
         name = f"{name}.{op._overloadname}"
     with ENGINE.lock:
-        ENGINE.kernels[op] = module.register_kernel(op.namespace, name, python_kernel)
+        number = module.register_kernel(op.namespace, name, python_kernel)
+        assert number == len(ENGINE.kernels), "kernels are numbered in registration order"
+        ENGINE.kernels.append(op)
 
 
 def rule_of(handler) -> tuple[int, int]:
@@ -104,26 +107,28 @@ def rule_of(handler) -> tuple[int, int]:
 
 
 def prepare(plan) -> None:
-    """Numbers ``plan`` and writes the rules of every prepared plan for every kernel
-    registered so far (a kernel registered for a later plan needs the earlier plans'
-    rules too)."""
+    """Numbers ``plan`` for the C++ side. Its rules are written as its calls first need
+    them (``resolve_rule``): a plan's first region costs no more than under the Python
+    engine, which resolves its handlers on first use too."""
     module = ENGINE.module
-    if module is None:
+    if module is None or plan in ENGINE.plans:
         return
-    engine = ENGINE
-    with engine.lock:
-        if plan not in engine.plans:
-            number = len([n for n in engine.plans.values() if n is not None])
-            engine.plans[plan] = number if number < module.max_plans() else None
-        for known, number in engine.plans.items():
-            if number is None:
-                continue
-            for op, kernel in engine.kernels.items():
-                if (number, kernel) in engine.written:
-                    continue
-                kind, position = rule_of(known.handler(op))
-                module.set_rule(kernel, number, kind, position)
-                engine.written.add((number, kernel))
+    with ENGINE.lock:
+        if plan not in ENGINE.plans:
+            number = len(ENGINE.numbered)
+            if number < module.max_plans():
+                ENGINE.numbered.append(plan)
+                ENGINE.plans[plan] = number
+            else:  # past the C++ side's table: this plan's calls go to the Python kernels
+                ENGINE.plans[plan] = None
+
+
+def resolve_rule(kernel: int, number: int) -> None:
+    """Writes the rule of kernel ``kernel`` under plan ``number`` (the C++ kernel asks,
+    once, at the first call that needs it)."""
+    op, plan = ENGINE.kernels[kernel], ENGINE.numbered[number]
+    kind, position = rule_of(plan.handler(op))
+    ENGINE.module.set_rule(kernel, number, kind, position)
 
 
 def plan_number(plan) -> int:

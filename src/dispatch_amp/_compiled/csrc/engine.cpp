@@ -55,6 +55,7 @@ struct Config {
   PyTypeObject* tensor_type = nullptr;
   PyTypeObject* parameter_type = nullptr;
   PyObject* python_lookup = nullptr;  // _cast_cache.lookup, for a store without a twin here
+  PyObject* resolve_rule = nullptr;   // _compiled_engine.resolve_rule(kernel, plan): writes one rule
   c10::DispatchKeySet autocast_keys;
   c10::DispatchKeySet below_autocast;
   c10::DispatchKeySet to_python;      // functionality keys whose calls Python handles (and meta tensors)
@@ -422,15 +423,37 @@ PyObject* ivalue_to_python(const c10::Argument& arg, const c10::IValue& v) {
   return torch::jit::toPyObject(v).release().ptr();
 }
 
+// A rule not written yet: the first call under that plan asks Python for it.
+constexpr uint32_t kUnknown = 0xffffffffu;
+
 struct Kernel : public c10::OperatorKernel {
-  explicit Kernel(PyObject* python_kernel) : python(python_kernel) {
+  Kernel(PyObject* python_kernel, int64_t number) : python(python_kernel), index(number) {
     Py_INCREF(python);  // kept for the life of the process, as the registration is
-    for (auto& r : rules) r.store(0, std::memory_order_relaxed);
+    for (auto& r : rules) r.store(kUnknown, std::memory_order_relaxed);
   }
 
   PyObject* python;
+  int64_t index;
   // Per plan: kind in the low byte, the dtype argument's position above it.
   std::array<std::atomic<uint32_t>, kMaxPlans> rules;
+
+  // The rule of this overload under `plan`, asking Python (which writes it) the first time:
+  // a plan's rules are written as its calls first need them, not all at its first region.
+  uint32_t rule_for(int plan) {
+    uint32_t rule = rules[plan].load(std::memory_order_relaxed);
+    if (rule != kUnknown) return rule;
+    pybind11::gil_scoped_acquire gil;
+    PyObject* out = PyObject_CallFunction(g.resolve_rule, "LL", static_cast<long long>(index),
+                                          static_cast<long long>(plan));
+    if (!out) {
+      python_error error;
+      error.persist();
+      throw error;
+    }
+    Py_DECREF(out);
+    rule = rules[plan].load(std::memory_order_relaxed);
+    return rule == kUnknown ? static_cast<uint32_t>(PYTHON) : rule;
+  }
 
   // The call as the Python kernel makes it: its arguments as the dispatcher hands them to
   // Python (trailing defaults left out, keyword-only ones as keywords), the keyset first.
@@ -494,7 +517,7 @@ struct Kernel : public c10::OperatorKernel {
     if (c10::impl::tls_is_dispatch_key_excluded(top.native_key) ||
         at::autocast::get_autocast_dtype(top.device) != top.dtype)
       return to_python(op, ks, stack);
-    uint32_t rule = rules[top.plan].load(std::memory_order_relaxed);
+    uint32_t rule = rule_for(top.plan);
     size_t n = op.schema().arguments().size();
     size_t base = stack->size() - n;
     CallState cs;
@@ -534,12 +557,13 @@ std::vector<Kernel*> g_kernels;  // owned by the dispatcher's registrations
 
 // -- what Python calls ---------------------------------------------------------------------
 void init(bool last_first, pybind11::object scope_var, pybind11::object tensor_type,
-          pybind11::object parameter_type, pybind11::object python_lookup) {
+          pybind11::object parameter_type, pybind11::object python_lookup, pybind11::object resolve_rule) {
   g.last_first = last_first;
   g.scope_var = scope_var.release().ptr();
   g.tensor_type = reinterpret_cast<PyTypeObject*>(tensor_type.release().ptr());
   g.parameter_type = reinterpret_cast<PyTypeObject*>(parameter_type.release().ptr());
   g.python_lookup = python_lookup.release().ptr();
+  g.resolve_rule = resolve_rule.release().ptr();
   g.autocast_keys = c10::autocast_dispatch_keyset | c10::DispatchKeySet(c10::DispatchKey::AutocastPrivateUse1);
   g.below_autocast = c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::AutocastCPU)
                          .remove(c10::DispatchKey::PythonDispatcher);
@@ -567,7 +591,7 @@ int64_t register_kernel(const std::string& ns, const std::string& name, pybind11
   } else {
     library = found->second;
   }
-  auto kernel = std::make_unique<Kernel>(python_kernel.ptr());
+  auto kernel = std::make_unique<Kernel>(python_kernel.ptr(), static_cast<int64_t>(g_kernels.size()));
   Kernel* raw = kernel.get();
   library->impl(name.c_str(), torch::dispatch(c10::DispatchKey::AutocastPrivateUse1,
                                               torch::CppFunction::makeFromBoxedFunctor(std::move(kernel))));
