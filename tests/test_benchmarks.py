@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -100,29 +101,41 @@ def test_no_tf32_turns_tf32_off_and_restores_the_settings_before():
         torch.backends.cudnn.allow_tf32 = before[1]
 
 
+_BREAKDOWN = """
+import torch
+import dispatch_amp as amp
+from dispatch_amp.autocast import _handlers, _routing
+from benchmarks.suites import host_cost
+
+plan = _routing.plan_for(amp.Policy.for_device("cpu"), "cpu")
+a = torch.ones(2, 2)
+with amp.autocast("cpu"):
+    torch.mm(a, a)  # the plan now has mm's handler
+before = dict(plan.handlers)
+seen = []
+
+def recording(ctx, st, op, keyset, args, kwargs):
+    seen.append(str(op))
+    return host_cost._bare_casts(ctx, st, op, keyset, args, kwargs)
+
+with host_cost._lower_calls_as(recording), amp.autocast("cpu"):
+    out = torch.mm(a, a)
+assert seen == ["aten.mm.default"] and out.dtype == torch.bfloat16, seen
+assert plan.handlers == before and _handlers.lower in before.values()
+with amp.autocast("cpu"):
+    torch.mm(a, a)
+assert seen == ["aten.mm.default"], seen
+print("ok")
+"""
+
+
 def test_host_cost_breakdown_swaps_the_lower_calls_and_restores_them():
-    from dispatch_amp.autocast import _handlers, _routing
-
-    from benchmarks.suites import host_cost
-
-    plan = _routing.plan_for(amp.Policy.for_device("cpu"), "cpu")
-    a = torch.ones(2, 2)
-    with amp.autocast("cpu"):
-        torch.mm(a, a)  # the plan now has mm's handler
-    before = dict(plan.handlers)
-    seen = []
-
-    def recording(ctx, st, op, keyset, args, kwargs):
-        seen.append(str(op))
-        return host_cost._bare_casts(ctx, st, op, keyset, args, kwargs)
-
-    with host_cost._lower_calls_as(recording), amp.autocast("cpu"):
-        out = torch.mm(a, a)
-    assert seen == ["aten.mm.default"] and out.dtype == torch.bfloat16
-    assert plan.handlers == before and _handlers.lower in before.values()
-    with amp.autocast("cpu"):
-        torch.mm(a, a)
-    assert seen == ["aten.mm.default"]
+    # The breakdown swaps the Python engine's handlers: it runs on that engine (host-cost
+    # runs it in the Python engine's process), here in a process of its own.
+    env = {**os.environ, "DISPATCH_AMP_ENGINE": "python"}
+    out = subprocess.run([sys.executable, "-c", _BREAKDOWN], cwd=REPO, capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
 def test_a_ratio_cell_holds_the_estimate_and_its_interval():

@@ -32,9 +32,13 @@ import dispatch_amp
 
 _MODELS_PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "models.py"
 _spec = importlib.util.spec_from_file_location("_dispatch_amp_bench_models", _MODELS_PATH)
-M = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = M  # dataclasses look their module up in sys.modules
-_spec.loader.exec_module(M)
+# One module object per session, shared with the other tests that load it under this
+# name: a second one would make their pickled models' classes differ from the module's.
+M = sys.modules.get(_spec.name)
+if M is None:
+    M = importlib.util.module_from_spec(_spec)
+    sys.modules[_spec.name] = M  # dataclasses look their module up in sys.modules
+    _spec.loader.exec_module(M)
 
 BF16 = torch.bfloat16
 

@@ -9,6 +9,7 @@ to be run as given), so the forward is measured in a process of its own.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -43,11 +44,17 @@ print(json.dumps({"count": entries.count, "functions": dict(entries.by_function)
 """
 
 
-def test_a_forward_enters_our_python_only_for_the_calls_the_policy_casts():
+def _forward_entries(engine: str) -> dict:
     repo = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", _FORWARD], cwd=repo, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "DISPATCH_AMP_ENGINE": engine}
+    out = subprocess.run([sys.executable, "-c", _FORWARD], cwd=repo, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr
-    entries = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_forward_enters_our_python_only_for_the_calls_the_policy_casts():
+    """The Python engine: its kernels are Python, entered for the calls the policy casts."""
+    entries = _forward_entries("python")
     policy = amp.Policy.for_device("cpu")
     assert entries["count"] > 0
     # Every entry is a kernel of ours, for an op the policy casts (linear, the attention's
@@ -57,6 +64,12 @@ def test_a_forward_enters_our_python_only_for_the_calls_the_policy_casts():
         namespace, name, overload = op.split(".")
         assert policy.kind_of(f"{namespace}::{name}.{overload}") is not None, op
     assert sum(entries["ops"].values()) == entries["count"]
+
+
+def test_under_the_compiled_engine_a_forward_never_enters_our_python():
+    """The compiled engine executes every cast of a plain model's forward in C++."""
+    entries = _forward_entries("compiled")
+    assert entries["count"] == 0, entries
 
 
 def test_calls_the_policy_leaves_alone_never_enter_our_python():

@@ -54,6 +54,9 @@ _increment_nesting = torch.autocast_increment_nesting
 _decrement_nesting = torch.autocast_decrement_nesting
 _set_grad_enabled = _torch_compat.set_grad_enabled
 _float32 = torch.float32
+# The cast each dtype's Tensor method makes (what the engine passes as ``to``): the C++
+# twin makes the same cast itself (``Tensor.to(dtype)``) without calling back.
+_CAST_METHOD = {torch.float32: torch.Tensor.float, torch.float16: torch.Tensor.half, torch.bfloat16: torch.Tensor.bfloat16}
 
 # An entry, keyed by id(weight): a list, read by index on the engine's hot path
 # (_handlers.lower inlines _fresh's test). SHAPE and STRIDE are None until the entry's
@@ -64,7 +67,13 @@ WEIGHT, DTYPE, VERSION, STORAGE, ADDRESS, SHAPE, STRIDE, GENERATION, CAST = rang
 
 
 class _Store:
-    """One cache: the process's per-region cache, or one ``cast_cache`` scope's."""
+    """One cache: the process's per-region cache, or one ``cast_cache`` scope's.
+
+    Under the compiled engine a store's entries live in its C++ twin (``native``, see
+    ``use_native``): the same entries and tests, in one place for both halves of the
+    engine. ``entries`` then answers what Python asks of it (how many; never a hit:
+    lookups and inserts go to the twin).
+    """
 
     def __init__(self):
         self.entries: dict = {}  # id(weight) -> entry (see WEIGHT...CAST)
@@ -72,10 +81,56 @@ class _Store:
         self.nbytes = 0  # the casts' bytes, counted only while max_bytes is set
         self.depth = 0  # cast_cache scopes nested on this store
         self.open = True  # a scope's store closes with its outermost scope
+        self.native = None  # the C++ twin under the compiled engine
+        if _NATIVE is not None:
+            self._attach(_NATIVE.Store())
+
+    def _attach(self, native) -> None:
+        self.native = native
+        self.entries = _NativeEntries(native)
 
     def clear(self) -> None:
         self.entries.clear()
         self.nbytes = 0
+
+    def set_max_bytes(self, max_bytes: int | None) -> None:
+        """Bounds the store (None: unbounded), dropping its oldest casts to fit."""
+        self.max_bytes = max_bytes
+        if self.native is not None:
+            self.native.set_max_bytes(-1 if max_bytes is None else max_bytes)
+            return
+        if max_bytes is not None:
+            self.nbytes = sum(entry[CAST].nbytes for entry in self.entries.values())
+            if self.nbytes > max_bytes:
+                _evict_oldest(self, keep=None)
+
+    def close(self) -> None:
+        self.open = False
+        if self.native is not None:
+            self.native.close()
+        self.clear()
+
+
+class _NativeEntries:
+    """A store's entries while they live in its C++ twin: their number, and no hit
+    (Python's lookups and inserts call the twin, which tests and makes the casts)."""
+
+    __slots__ = ("native",)
+
+    def __init__(self, native):
+        self.native = native
+
+    def get(self, key, default=None):
+        return default
+
+    def __len__(self) -> int:
+        return len(self.native)
+
+    def __bool__(self) -> bool:
+        return len(self.native) > 0
+
+    def clear(self) -> None:
+        self.native.clear()
 
 
 class _Steps:
@@ -89,12 +144,29 @@ class _Steps:
         self.lock = threading.Lock()
 
 
+# The compiled engine's module once it runs in this process (use_native), else None.
+_NATIVE = None
 # The per-region cache: one for the process, as native's (see the module docstring).
 # Its dict is cleared in place, never replaced (the engine's hot path holds it).
 REGION = _Store()
 # The store of the cast_cache scope open in this context, or None.
 SCOPE: contextvars.ContextVar = contextvars.ContextVar("dispatch_amp_cast_cache", default=None)
 STEPS = _Steps()
+
+
+def use_native(module) -> None:
+    """The compiled engine runs in this process: the stores' entries live in C++ twins
+    (the per-region cache's is the module's own, which its kernels use directly), so that
+    the Python kernels, where the C++ ones hand a call to them, use the same casts.
+    Chosen before any cast is made (at the first kernel registration): the stores are
+    empty. A store made earlier and still without a twin (another thread's scope) is
+    reached through ``lookup`` by the C++ kernels."""
+    global _NATIVE
+    REGION._attach(module.region_store())
+    store = SCOPE.get()
+    if store is not None and store.native is None and not store.entries:
+        store._attach(module.Store())
+    _NATIVE = module
 
 
 def keeps_casts() -> bool:
@@ -148,6 +220,8 @@ def lookup(t: torch.Tensor, dtype: torch.dtype, to):
         store = REGION
     elif not store.open:
         store = _store()
+    if store.native is not None:
+        return store.native.cast(t, dtype, None if _CAST_METHOD.get(dtype) is to else to)
     hit = store.entries.get(id(t))
     if hit is not None and _fresh(hit, t, dtype):
         return hit[CAST]
@@ -167,6 +241,8 @@ def insert(store: _Store, t: torch.Tensor, dtype: torch.dtype, to):
     refuse the gradient of the new shape."""
     if not store.open:  # a scope closed from another context since the caller read it
         store = _store()
+    if store.native is not None:  # the twin tests its entry and makes the cast (C++)
+        return store.native.cast(t, dtype, None if _CAST_METHOD.get(dtype) is to else to)
     stale = store.entries.pop(id(t), None)
     if stale is not None and store.max_bytes is not None:
         store.nbytes -= stale[CAST].nbytes
@@ -241,6 +317,8 @@ def _native_nesting() -> int:
 
 def _optimizer_stepped(optimizer, args, kwargs) -> None:
     STEPS.generation += 1
+    if _NATIVE is not None:
+        _NATIVE.bump_generation()
 
 
 class cast_cache:
@@ -292,12 +370,8 @@ class cast_cache:
             SCOPE.set(store)
         self._entered.append((store, store.max_bytes))
         store.depth += 1
-        if self.max_bytes is not None:
-            if store.max_bytes is None:  # from now on counted: what it holds already
-                store.nbytes = sum(entry[CAST].nbytes for entry in store.entries.values())
-            store.max_bytes = self.max_bytes if store.max_bytes is None else min(store.max_bytes, self.max_bytes)
-            if store.nbytes > store.max_bytes:
-                _evict_oldest(store, keep=None)
+        if self.max_bytes is not None:  # from now on counted: what it holds already too
+            store.set_max_bytes(self.max_bytes if store.max_bytes is None else min(store.max_bytes, self.max_bytes))
         with STEPS.lock:
             if STEPS.scopes == 0:
                 STEPS.hook = register_optimizer_step_post_hook(_optimizer_stepped)
@@ -306,11 +380,11 @@ class cast_cache:
 
     def __exit__(self, *exc) -> None:
         store, saved_max = self._entered.pop()
-        store.max_bytes = saved_max
+        if store.max_bytes != saved_max:
+            store.set_max_bytes(saved_max)
         store.depth -= 1
         if store.depth == 0:
-            store.open = False
-            store.clear()
+            store.close()
             if SCOPE.get() is store:
                 SCOPE.set(None)
             # This thread's fp8 weight copies were kept past their regions by the scope:

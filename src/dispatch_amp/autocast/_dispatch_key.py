@@ -28,6 +28,7 @@ import torch
 from torch._C import DispatchKey, DispatchKeySet
 
 from .. import _torch_compat
+from . import _compiled_engine
 from ._kernels import make_kernel
 
 __all__ = ["KEY", "KeyTaken", "ensure_kernels", "switch", "registered_count"]
@@ -125,10 +126,15 @@ def ensure_kernels(ops) -> None:
 
 def _register(missing) -> None:
     registry = _REGISTRY
+    compiled = _compiled_engine.active()  # chosen at the first registration, built if need be
     with registry.lock:
         _install()
         for op in missing:
             if op in registry.kernels:
+                continue
+            if compiled is not None:  # a C++ kernel holding the Python one (_compiled_engine)
+                _compiled_engine.register(compiled, op, make_kernel(op))
+                registry.kernels.add(op)
                 continue
             namespace = op.namespace
             library = registry.libraries.get(namespace)

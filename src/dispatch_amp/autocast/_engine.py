@@ -93,7 +93,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .. import _torch_compat
-from . import _cast_cache, _dispatch_key
+from . import _cast_cache, _compiled_engine, _dispatch_key
 from ._state import STATE, DeviceContext, Region, ThreadState
 from ._tokens import BUILTIN_TOKEN, pin_current, release_pins, token_for
 from ._tracing_path import trace_call
@@ -182,6 +182,7 @@ def _prepare(ctx: DeviceContext) -> None:
     if plan in _PREPARED:
         return
     _dispatch_key.ensure_kernels(plan.registered)
+    _compiled_engine.prepare(plan)  # the plan's rules, written into the compiled kernels
     _PREPARED.add(plan)
 
 
@@ -409,6 +410,9 @@ def _refresh(st: ThreadState) -> None:
         primary, depth if primary.custom or primary.fp8 is not None else None,
         primary.native_key, primary.device_type, primary.dtype, primary.handlers,
     )
+    compiled = _compiled_engine.ENGINE.module
+    if compiled is not None:  # the compiled kernels' copy of it (set as often as st.top)
+        _compiled_engine.set_top(compiled, st.top)
     # Each step is recorded before it is taken and every call sets the key's state anew,
     # so a repeat after an interrupt finishes the job (see "Note: interrupts").
     if st.active:

@@ -57,7 +57,9 @@ def _fp32_unless_dtype(op: OpOverload):
         if a.name == "dtype":
             if not isinstance(a.type, torch._C.OptionalType):
                 return _handlers.given  # a required dtype already decides: not native's
-            return _handlers.fp32_set_opt_dtype(None if a.kwarg_only else i)
+            handler = _handlers.fp32_set_opt_dtype(None if a.kwarg_only else i)
+            handler.dtype_position = i  # where the compiled engine finds it (every argument is positional there)
+            return handler
     # No dtype argument: native redispatches to the overload that takes one (norm).
     names = tuple(a.name for a in arguments)
     for overload in op.overloadpacket.overloads():

@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from .. import _markdown
+from .._compiled import engine as _process_engine
 from ..fp8._rules import ALL_FP8_DTYPES as _FP8_DTYPES
 
 __all__ = ["PrecisionCensus", "OpCount", "ModuleCount", "NO_MODULE"]
@@ -293,6 +294,7 @@ class PrecisionCensus:
         """Plain numbers for logging: totals and a per-op list (and, with a model, a
         per-module list)."""
         out = {
+            "engine": _engine_name(),
             "calls": self.calls,
             "cast_bytes": self.cast_bytes,
             "flops_by_dtype": {str(d): f for d, f in self.flops_by_dtype().items()},
@@ -382,4 +384,12 @@ class PrecisionCensus:
             for (op, dtype), c in rows
         ]
         head = ["op", "dtype", "calls", "FLOPs", "cast bytes"]
-        return _markdown.table(head, cells, align="llrrr") + "\n\n" + self.summary()
+        return (_markdown.table(head, cells, align="llrrr") + "\n\n" + self.summary()
+                + f"\n\nEngine of this process: {_engine_name()}.")
+
+
+def _engine_name() -> str:
+    """The engine of this process's regions (``dispatch_amp.engine()``). The calls a
+    census sees ran through the Python kernels whichever it is: under a dispatch mode the
+    compiled kernels hand every call to them (the same casts, docs/design.md)."""
+    return _process_engine()

@@ -1,14 +1,666 @@
 // The compiled engine: kernels of ours at the autocast dispatch key, in C++.
-// (Being written; until then the module only reports what it was built against.)
+//
+// What Python decides and what this file executes (docs/design.md, "The compiled engine"):
+// the policy and its plan are Python. For each aten overload some policy in use casts, the
+// Python side registers one kernel here (`register_kernel`) and writes, per plan, the rule
+// the plan gives the overload (`set_rule`): run it as given, cast it to the region's lower
+// precision, to float32, to the widest of its inputs, or float32 through its own dtype
+// argument. When a region opens or closes, Python writes the thread's innermost context
+// (`set_top`). A kernel then casts exactly as the Python handlers of
+// `autocast/_handlers.py` do, in native's order, with the same weight-cast cache
+// (`Store`: the semantics of `autocast/_cast_cache.py`), and calls the op with every
+// autocast key excluded.
+//
+// Whatever this file does not execute goes to the Python kernel of the same overload,
+// which it holds (the reference engine): a thread without a single context of ours in
+// force, a native region open inside ours, torch's state switched by hand, rules written
+// as Python (fp8, cuDNN RNN, banned ops, refusals), and calls with tensors or modes that
+// Python handles (fake, functional and subclass tensors, dispatch modes, tracing,
+// functorch, meta, sparse and nested tensors).
+//
+// This file inlines dispatcher and TensorImpl code: a build is valid for the torch it
+// was compiled against only (the loader keys its cache on torch's version).
 #include <torch/extension.h>
 
+#include <ATen/CachedTensorUtils.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/utils/tensor_memoryformats.h>
+
+#include <array>
+#include <atomic>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
 namespace {
-std::string built_against() {
-  return std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +
-         std::to_string(TORCH_VERSION_PATCH);
+
+// -- rules ---------------------------------------------------------------------------------
+// The kinds of rule this file executes; anything else stays PYTHON (the Python kernel).
+enum Kind : uint8_t { PYTHON = 0, GIVEN = 1, LOWER = 2, FP32 = 3, PROMOTE = 4, FP32_OPT_DTYPE = 5 };
+// Plans are numbered by the Python side; a plan numbered past this runs in Python.
+constexpr int kMaxPlans = 64;
+
+struct Config {
+  bool last_first = true;            // native casts an op's last argument first (GCC builds)
+  PyObject* scope_var = nullptr;     // _cast_cache.SCOPE (a contextvars.ContextVar)
+  PyTypeObject* tensor_type = nullptr;
+  PyTypeObject* parameter_type = nullptr;
+  PyObject* python_lookup = nullptr;  // _cast_cache.lookup, for a store without a twin here
+  PyObject* resolve_rule = nullptr;   // _compiled_engine.resolve_rule(kernel, plan): writes one rule
+  c10::DispatchKeySet autocast_keys;
+  c10::DispatchKeySet below_autocast;
+  c10::DispatchKeySet to_python;      // functionality keys whose calls Python handles (and meta tensors)
+  bool ready = false;
+};
+Config g;
+
+// The thread's innermost context, as Python's _engine._refresh derives it.
+struct Top {
+  bool on = false;
+  int64_t depth = -1;  // torch's nesting counter at our innermost region; -1: not checked
+  c10::DeviceType device = c10::DeviceType::CPU;
+  at::ScalarType dtype = at::kFloat;
+  c10::DispatchKey native_key = c10::DispatchKey::AutocastCPU;
+  int plan = -1;
+};
+thread_local Top tls;
+
+std::atomic<uint64_t> g_generation{0};  // optimizer steps seen while a cast_cache is open
+
+// -- the weight-cast cache ---------------------------------------------------------------
+// One store: the process's per-region cache or one cast_cache scope's. An entry holds the
+// weight (so its TensorImpl, the key, cannot be reused) and the storage it was cast from
+// (so its memory cannot be handed to another tensor behind the check).
+struct Entry {
+  at::Tensor weight;
+  at::ScalarType dtype;
+  uint32_t version;
+  c10::Storage storage;
+  const void* address;
+  std::vector<int64_t> sizes, strides;
+  uint64_t generation;
+  at::Tensor cast;
+  std::list<c10::TensorImpl*>::iterator order;
+};
+
+struct Store {
+  std::mutex mu;
+  std::unordered_map<c10::TensorImpl*, Entry> entries;
+  std::list<c10::TensorImpl*> order;  // oldest first, for max_bytes
+  int64_t max_bytes = -1;             // -1: unbounded
+  int64_t nbytes = 0;                 // counted while bounded
+  std::atomic<bool> open{true};
+
+  static bool fresh(const Entry& e, const at::Tensor& t, at::ScalarType dtype, uint64_t generation) {
+    if (e.dtype != dtype || e.version != t._version() || t.scalar_type() != at::kFloat) return false;
+    if (!t.has_storage() || t.storage().unsafeGetStorageImpl() != e.storage.unsafeGetStorageImpl()) return false;
+    if (e.address != t.const_data_ptr() || e.generation != generation) return false;
+    return t.sizes().equals(e.sizes) && t.strides().equals(e.strides);
+  }
+
+  // The entry's cast if it is fresh, else an undefined tensor (the stale entry is
+  // dropped first: its cast's grad_fn holds the weight's accumulator, which records the
+  // weight's shape when it is made, see _cast_cache.insert).
+  at::Tensor find(const at::Tensor& t, at::ScalarType dtype, uint64_t generation) {
+    Entry stale;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      auto it = entries.find(t.unsafeGetTensorImpl());
+      if (it == entries.end()) return at::Tensor();
+      if (fresh(it->second, t, dtype, generation)) return it->second.cast;
+      stale = take(it);
+    }
+    return at::Tensor();  // `stale` goes here, outside the lock (freeing may run Python)
+  }
+
+  Entry take(std::unordered_map<c10::TensorImpl*, Entry>::iterator it) {
+    Entry e = std::move(it->second);
+    order.erase(e.order);
+    if (max_bytes >= 0) nbytes -= static_cast<int64_t>(e.cast.nbytes());
+    entries.erase(it);
+    return e;
+  }
+
+  void keep(const at::Tensor& t, at::ScalarType dtype, uint32_t version, uint64_t generation,
+            const void* address, at::Tensor cast) {
+    std::vector<Entry> dropped;
+    std::lock_guard<std::mutex> lock(mu);
+    auto key = t.unsafeGetTensorImpl();
+    auto it = entries.find(key);
+    if (it != entries.end()) dropped.push_back(take(it));
+    Entry e;
+    e.weight = t;
+    e.dtype = dtype;
+    e.version = version;
+    e.storage = t.storage();
+    e.address = address;
+    e.sizes = t.sizes().vec();
+    e.strides = t.strides().vec();
+    e.generation = generation;
+    e.cast = std::move(cast);
+    order.push_back(key);
+    e.order = std::prev(order.end());
+    if (max_bytes >= 0) nbytes += static_cast<int64_t>(e.cast.nbytes());
+    entries.emplace(key, std::move(e));
+    if (max_bytes >= 0) evict(key, dropped);
+    // `dropped` is freed after the lock is released (declared before the guard).
+  }
+
+  void evict(c10::TensorImpl* keep_key, std::vector<Entry>& dropped) {
+    auto it = order.begin();
+    while (nbytes > max_bytes && it != order.end()) {
+      auto key = *it++;
+      if (key == keep_key) continue;
+      auto found = entries.find(key);
+      if (found != entries.end()) dropped.push_back(take(found));
+    }
+  }
+
+  void clear() {
+    std::unordered_map<c10::TensorImpl*, Entry> gone;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      gone.swap(entries);
+      order.clear();
+      nbytes = 0;
+    }
+  }
+
+  void set_max_bytes(int64_t limit) {
+    std::vector<Entry> dropped;
+    std::lock_guard<std::mutex> lock(mu);
+    max_bytes = limit;
+    nbytes = 0;
+    if (limit < 0) return;
+    for (auto& kv : entries) nbytes += static_cast<int64_t>(kv.second.cast.nbytes());
+    evict(nullptr, dropped);
+  }
+
+  int64_t total_nbytes() {
+    std::lock_guard<std::mutex> lock(mu);
+    int64_t total = 0;
+    for (auto& kv : entries) total += static_cast<int64_t>(kv.second.cast.nbytes());
+    return total;
+  }
+
+  size_t size() {
+    std::lock_guard<std::mutex> lock(mu);
+    return entries.size();
+  }
+
+  // The cached cast of weight `t` to `dtype`, made now (with grad mode on, as native
+  // makes it) if there is none or it is stale; `to`: a Python callable making the cast
+  // (the GIL held by the caller), or None for t.to(dtype).
+  at::Tensor cast(const at::Tensor& t, at::ScalarType dtype, PyObject* to = nullptr) {
+    uint64_t generation = g_generation.load(std::memory_order_acquire);
+    at::Tensor hit = find(t, dtype, generation);
+    if (hit.defined()) return hit;
+    uint32_t version = t._version();
+    bool has_storage = t.has_storage();
+    const void* address = has_storage ? t.const_data_ptr() : nullptr;
+    at::Tensor out;
+    {
+      at::AutoGradMode grad_on(true);
+      if (to == nullptr || to == Py_None) {
+        out = t.to(dtype);
+      } else {
+        PyObject* arg = THPVariable_Wrap(t);
+        if (!arg) throw python_error();
+        PyObject* result = PyObject_CallOneArg(to, arg);
+        Py_DECREF(arg);
+        if (!result) throw python_error();
+        out = THPVariable_Unpack(result);
+        Py_DECREF(result);
+      }
+    }
+    if (has_storage) keep(t, dtype, version, generation, address, out);
+    return out;
+  }
+};
+
+std::shared_ptr<Store> g_region = std::make_shared<Store>();
+
+// -- kernels -------------------------------------------------------------------------------
+// What one call's casts need besides the rule: the store, found at the first weight.
+struct CallState {
+  std::shared_ptr<Store> store;
+  bool store_read = false;
+  bool python_store = false;  // the store in force has no twin here: _cast_cache.lookup
+  PyObject* python_store_obj = nullptr;
+};
+
+inline bool eligible(const at::Tensor& t, c10::DeviceType device) {
+  auto d = t.scalar_type();
+  return d != at::kDouble && at::isFloatingType(d) && t.device().type() == device;
 }
+
+// Whether `t` is a weight native autocast would cache the cast of (cast_one's rule, the
+// class test aside: that needs the GIL).
+inline bool cacheable(const at::Tensor& t, at::ScalarType dtype) {
+  return t.requires_grad() && t.is_leaf() && t.scalar_type() == at::kFloat && dtype == tls.dtype &&
+         !t.is_view() && !t.is_inference() && !c10::InferenceMode::is_enabled() &&
+         at::autocast::is_autocast_cache_enabled() && !at::caching::is_cached_tensor(t);
+}
+
+// Under the GIL: whether `t`'s Python class is torch.Tensor or Parameter (a subclass is
+// never cached, as in cast_one), and the store of this context (read once per call).
+bool plain_class_and_store(const at::Tensor& t, CallState& cs) {
+  pybind11::gil_scoped_acquire gil;
+  PyObject* obj = THPVariable_Wrap(t);
+  if (!obj) throw python_error();
+  PyTypeObject* type = Py_TYPE(obj);
+  Py_DECREF(obj);
+  if (type != g.tensor_type && type != g.parameter_type) return false;
+  if (!cs.store_read) {
+    cs.store_read = true;
+    PyObject* value = nullptr;
+    if (PyContextVar_Get(g.scope_var, nullptr, &value) < 0) throw python_error();
+    if (value == nullptr || value == Py_None) {
+      cs.store = g_region;
+    } else {
+      PyObject* native = PyObject_GetAttrString(value, "native");
+      if (!native) {
+        Py_DECREF(value);
+        throw python_error();
+      }
+      if (native == Py_None) {
+        cs.python_store = true;
+      } else {
+        auto store = pybind11::cast<std::shared_ptr<Store>>(pybind11::handle(native));
+        // A scope closed from another context (a generator finished elsewhere): the
+        // per-region cache, as _cast_cache._store says.
+        cs.store = store->open.load() ? store : g_region;
+      }
+      Py_DECREF(native);
+    }
+    Py_XDECREF(value);
+  }
+  return true;
+}
+
+at::Tensor python_lookup(const at::Tensor& t, at::ScalarType dtype) {
+  pybind11::gil_scoped_acquire gil;
+  PyObject* arg = THPVariable_Wrap(t);
+  if (!arg) throw python_error();
+  PyObject* py_dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(dtype));
+  PyObject* result = PyObject_CallFunctionObjArgs(g.python_lookup, arg, py_dtype, Py_None, nullptr);
+  Py_DECREF(arg);
+  if (!result) throw python_error();
+  at::Tensor out = THPVariable_Unpack(result);
+  Py_DECREF(result);
+  return out;
+}
+
+// `t` cast to `dtype` if native autocast would cast it, else `t` itself (cast_one).
+at::Tensor cast_one(const at::Tensor& t, at::ScalarType dtype, CallState& cs) {
+  auto d = t.scalar_type();
+  if (d == dtype || d == at::kDouble || !at::isFloatingType(d) || t.device().type() != tls.device) return t;
+  if (cacheable(t, dtype) && plain_class_and_store(t, cs)) {
+    if (cs.python_store) return python_lookup(t, dtype);
+    return cs.store->cast(t, dtype);
+  }
+  return t.to(dtype);
+}
+
+// Casts the tensors of one argument (one level inside lists, first to last); returns
+// whether it changed.
+bool cast_argument(c10::IValue& arg, at::ScalarType dtype, CallState& cs) {
+  if (arg.isTensor()) {
+    const at::Tensor& t = arg.toTensor();
+    at::Tensor b = cast_one(t, dtype, cs);
+    if (b.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) return false;
+    arg = c10::IValue(std::move(b));
+    return true;
+  }
+  if (arg.isTensorList()) {
+    auto list = arg.toTensorList();
+    c10::List<at::Tensor> out;
+    out.reserve(list.size());
+    bool changed = false;
+    for (size_t i = 0; i < list.size(); ++i) {
+      at::Tensor t = list.get(i);
+      at::Tensor b = cast_one(t, dtype, cs);
+      changed |= b.unsafeGetTensorImpl() != t.unsafeGetTensorImpl();
+      out.push_back(std::move(b));
+    }
+    if (changed) arg = c10::IValue(std::move(out));
+    return changed;
+  }
+  if (arg.isList()) {  // Tensor?[] (indices): tensors and None
+    auto list = arg.toList();
+    if (list.size() == 0) return false;
+    c10::impl::GenericList out(list.elementType());
+    out.reserve(list.size());
+    bool changed = false;
+    for (size_t i = 0; i < list.size(); ++i) {
+      c10::IValue v = list.get(i);
+      if (v.isTensor()) {
+        const at::Tensor& t = v.toTensor();
+        at::Tensor b = cast_one(t, dtype, cs);
+        if (b.unsafeGetTensorImpl() != t.unsafeGetTensorImpl()) {
+          changed = true;
+          v = c10::IValue(std::move(b));
+        }
+      } else if (!v.isNone()) {
+        return false;  // a list of ints, floats, bools: no tensors in it
+      }
+      out.push_back(std::move(v));
+    }
+    if (changed) arg = c10::IValue(std::move(out));
+    return changed;
+  }
+  return false;
+}
+
+void cast_all(torch::jit::Stack* stack, size_t base, size_t n, at::ScalarType dtype, CallState& cs) {
+  if (g.last_first) {
+    for (size_t i = n; i-- > 0;) cast_argument((*stack)[base + i], dtype, cs);
+  } else {
+    for (size_t i = 0; i < n; ++i) cast_argument((*stack)[base + i], dtype, cs);
+  }
+}
+
+// Native's promote rule: float32 if any eligible input is float32, else the region's
+// dtype; another floating dtype among them: nullopt (Python raises native's error).
+std::optional<at::ScalarType> promote_dtype(torch::jit::Stack* stack, size_t base, size_t n) {
+  at::ScalarType widest = tls.dtype;
+  auto see = [&](const at::Tensor& t) -> bool {
+    auto d = t.scalar_type();
+    if (d == widest || d == at::kDouble || !at::isFloatingType(d) || t.device().type() != tls.device) return true;
+    if (d == at::kFloat || widest == at::kFloat) {
+      widest = at::kFloat;
+      return true;
+    }
+    return false;
+  };
+  for (size_t i = 0; i < n; ++i) {
+    const c10::IValue& a = (*stack)[base + i];
+    if (a.isTensor()) {
+      if (!see(a.toTensor())) return std::nullopt;
+    } else if (a.isTensorList()) {
+      for (const at::Tensor& t : a.toTensorList().vec())
+        if (!see(t)) return std::nullopt;
+    } else if (a.isList()) {
+      for (const c10::IValue& v : a.toListRef())
+        if (v.isTensor() && !see(v.toTensor())) return std::nullopt;
+    }
+  }
+  return widest;
+}
+
+PyObject* ivalue_to_python(const c10::Argument& arg, const c10::IValue& v) {
+  if (v.isNone()) Py_RETURN_NONE;
+  auto match = [&](c10::TypeKind kind) {
+    const auto& t = arg.real_type();
+    if (t->kind() == kind) return true;
+    if (auto opt = t->cast<c10::OptionalType>()) return opt->getElementType()->kind() == kind;
+    return false;
+  };
+  if (match(c10::ScalarTypeType::Kind)) {
+    PyObject* obj = reinterpret_cast<PyObject*>(torch::getTHPDtype(static_cast<c10::ScalarType>(v.toInt())));
+    Py_INCREF(obj);
+    return obj;
+  }
+  if (match(c10::LayoutType::Kind)) {
+    PyObject* obj = reinterpret_cast<PyObject*>(torch::getTHPLayout(static_cast<c10::Layout>(v.toInt())));
+    Py_INCREF(obj);
+    return obj;
+  }
+  if (match(c10::MemoryFormatType::Kind)) {
+    PyObject* obj = torch::utils::getTHPMemoryFormat(static_cast<c10::MemoryFormat>(v.toInt()));
+    Py_INCREF(obj);
+    return obj;
+  }
+  return torch::jit::toPyObject(v).release().ptr();
+}
+
+// A rule not written yet: the first call under that plan asks Python for it.
+constexpr uint32_t kUnknown = 0xffffffffu;
+
+struct Kernel : public c10::OperatorKernel {
+  Kernel(PyObject* python_kernel, int64_t number) : python(python_kernel), index(number) {
+    Py_INCREF(python);  // kept for the life of the process, as the registration is
+    for (auto& r : rules) r.store(kUnknown, std::memory_order_relaxed);
+  }
+
+  PyObject* python;
+  int64_t index;
+  // Per plan: kind in the low byte, the dtype argument's position above it.
+  std::array<std::atomic<uint32_t>, kMaxPlans> rules;
+
+  // The rule of this overload under `plan`, asking Python (which writes it) the first time:
+  // a plan's rules are written as its calls first need them, not all at its first region.
+  uint32_t rule_for(int plan) {
+    uint32_t rule = rules[plan].load(std::memory_order_relaxed);
+    if (rule != kUnknown) return rule;
+    pybind11::gil_scoped_acquire gil;
+    PyObject* out = PyObject_CallFunction(g.resolve_rule, "LL", static_cast<long long>(index),
+                                          static_cast<long long>(plan));
+    if (!out) {
+      python_error error;
+      error.persist();
+      throw error;
+    }
+    Py_DECREF(out);
+    rule = rules[plan].load(std::memory_order_relaxed);
+    return rule == kUnknown ? static_cast<uint32_t>(PYTHON) : rule;
+  }
+
+  // The call as the Python kernel makes it: its arguments as the dispatcher hands them to
+  // Python (trailing defaults left out, keyword-only ones as keywords), the keyset first.
+  void to_python(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+    const auto& schema = op.schema();
+    const auto& arguments = schema.arguments();
+    size_t n = arguments.size();
+    auto values = torch::jit::pop(*stack, n);
+    pybind11::gil_scoped_acquire gil;
+    size_t kwarg_start = n;
+    while (kwarg_start > 0 && arguments[kwarg_start - 1].kwarg_only()) --kwarg_start;
+    auto is_default = [&](size_t i) {
+      const auto& d = arguments[i].default_value();
+      return d.has_value() && *d == values[i];
+    };
+    size_t positional = kwarg_start;
+    while (positional > 0 && is_default(positional - 1)) --positional;
+    pybind11::tuple args(positional + 1);
+    args[0] = pybind11::cast(ks);
+    for (size_t i = 0; i < positional; ++i)
+      args[i + 1] = pybind11::reinterpret_steal<pybind11::object>(ivalue_to_python(arguments[i], values[i]));
+    pybind11::dict kwargs;
+    for (size_t i = kwarg_start; i < n; ++i) {
+      if (is_default(i)) continue;
+      kwargs[pybind11::str(arguments[i].name())] =
+          pybind11::reinterpret_steal<pybind11::object>(ivalue_to_python(arguments[i], values[i]));
+    }
+    PyObject* out = PyObject_Call(python, args.ptr(), kwargs.ptr());
+    if (!out) {
+      python_error error;
+      error.persist();
+      throw error;
+    }
+    auto result = pybind11::reinterpret_steal<pybind11::object>(out);
+    const auto& returns = schema.returns();
+    if (returns.size() == 1) {
+      torch::jit::push(*stack, torch::jit::toIValue(result, returns[0].real_type()));
+    } else if (returns.size() > 1) {
+      auto seq = pybind11::cast<pybind11::sequence>(result);
+      for (size_t i = 0; i < returns.size(); ++i)
+        torch::jit::push(*stack, torch::jit::toIValue(seq[i], returns[i].real_type()));
+    }
+  }
+
+  void run_without_autocast(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+    c10::impl::ExcludeDispatchKeyGuard guard(g.autocast_keys);
+    op.callBoxed(stack);
+  }
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+    const Top& top = tls;
+    if (!top.on || top.plan < 0 || top.plan >= kMaxPlans || !(ks & g.to_python).empty() ||
+        ks.has_backend(c10::BackendComponent::MetaBit))
+      return to_python(op, ks, stack);
+    // A native region opened inside our innermost raised torch's nesting counter.
+    if (top.depth >= 0) {
+      at::autocast::increment_nesting();
+      if (at::autocast::decrement_nesting() > top.depth) return to_python(op, ks, stack);
+    }
+    // torch's state switched by hand inside the region: Python follows it.
+    if (c10::impl::tls_is_dispatch_key_excluded(top.native_key) ||
+        at::autocast::get_autocast_dtype(top.device) != top.dtype)
+      return to_python(op, ks, stack);
+    uint32_t rule = rule_for(top.plan);
+    size_t n = op.schema().arguments().size();
+    size_t base = stack->size() - n;
+    CallState cs;
+    switch (static_cast<Kind>(rule & 0xff)) {
+      case GIVEN:
+        op.redispatchBoxed(ks & g.below_autocast, stack);
+        return;
+      case LOWER:
+        cast_all(stack, base, n, top.dtype, cs);
+        return run_without_autocast(op, stack);
+      case FP32:
+        cast_all(stack, base, n, at::kFloat, cs);
+        return run_without_autocast(op, stack);
+      case PROMOTE: {
+        auto widest = promote_dtype(stack, base, n);
+        if (!widest) return to_python(op, ks, stack);
+        cast_all(stack, base, n, *widest, cs);
+        return run_without_autocast(op, stack);
+      }
+      case FP32_OPT_DTYPE: {
+        size_t position = rule >> 8;
+        c10::IValue& given = (*stack)[base + position];
+        const c10::IValue& first = (*stack)[base];
+        if (given.isNone() && first.isTensor() && eligible(first.toTensor(), top.device))
+          given = c10::IValue(static_cast<int64_t>(at::kFloat));
+        return run_without_autocast(op, stack);
+      }
+      default:
+        return to_python(op, ks, stack);
+    }
+  }
+};
+
+std::vector<std::unique_ptr<torch::Library>> g_libraries;
+std::unordered_map<std::string, torch::Library*> g_library_by_namespace;
+std::vector<Kernel*> g_kernels;  // owned by the dispatcher's registrations
+
+// -- what Python calls ---------------------------------------------------------------------
+void init(bool last_first, pybind11::object scope_var, pybind11::object tensor_type,
+          pybind11::object parameter_type, pybind11::object python_lookup, pybind11::object resolve_rule) {
+  g.last_first = last_first;
+  g.scope_var = scope_var.release().ptr();
+  g.tensor_type = reinterpret_cast<PyTypeObject*>(tensor_type.release().ptr());
+  g.parameter_type = reinterpret_cast<PyTypeObject*>(parameter_type.release().ptr());
+  g.python_lookup = python_lookup.release().ptr();
+  g.resolve_rule = resolve_rule.release().ptr();
+  g.autocast_keys = c10::autocast_dispatch_keyset | c10::DispatchKeySet(c10::DispatchKey::AutocastPrivateUse1);
+  g.below_autocast = c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::AutocastCPU)
+                         .remove(c10::DispatchKey::PythonDispatcher);
+  g.to_python = c10::DispatchKeySet({
+      c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot, c10::DispatchKey::PythonDispatcher,
+      c10::DispatchKey::PreDispatch, c10::DispatchKey::Functionalize, c10::DispatchKey::FuncTorchBatched,
+      c10::DispatchKey::FuncTorchVmapMode, c10::DispatchKey::FuncTorchGradWrapper,
+      c10::DispatchKey::FuncTorchDynamicLayerBackMode, c10::DispatchKey::FuncTorchDynamicLayerFrontMode,
+      c10::DispatchKey::Batched, c10::DispatchKey::VmapMode, c10::DispatchKey::BatchedNestedTensor,
+      c10::DispatchKey::Sparse, c10::DispatchKey::SparseCsr, c10::DispatchKey::NestedTensor,
+      c10::DispatchKey::Quantized,
+  });
+  g.ready = true;
+}
+
+int64_t register_kernel(const std::string& ns, const std::string& name, pybind11::object python_kernel) {
+  TORCH_CHECK(g.ready, "dispatch_amp's compiled engine: init() must run before register_kernel()");
+  auto found = g_library_by_namespace.find(ns);
+  torch::Library* library;
+  if (found == g_library_by_namespace.end()) {
+    g_libraries.push_back(
+        std::make_unique<torch::Library>(torch::Library::IMPL, ns, std::nullopt, __FILE__, __LINE__));
+    library = g_libraries.back().get();
+    g_library_by_namespace.emplace(ns, library);
+  } else {
+    library = found->second;
+  }
+  auto kernel = std::make_unique<Kernel>(python_kernel.ptr(), static_cast<int64_t>(g_kernels.size()));
+  Kernel* raw = kernel.get();
+  library->impl(name.c_str(), torch::dispatch(c10::DispatchKey::AutocastPrivateUse1,
+                                              torch::CppFunction::makeFromBoxedFunctor(std::move(kernel))));
+  g_kernels.push_back(raw);
+  return static_cast<int64_t>(g_kernels.size() - 1);
+}
+
+void set_rule(int64_t kernel, int64_t plan, int64_t kind, int64_t position) {
+  TORCH_CHECK(kernel >= 0 && kernel < static_cast<int64_t>(g_kernels.size()), "no kernel ", kernel);
+  TORCH_CHECK(plan >= 0 && plan < kMaxPlans, "plan ", plan, " out of range");
+  TORCH_CHECK(kind >= PYTHON && kind <= FP32_OPT_DTYPE, "unknown rule kind ", kind);
+  TORCH_CHECK(kind != FP32_OPT_DTYPE || position >= 0, "an fp32-unless-dtype rule needs its position");
+  uint32_t packed = static_cast<uint32_t>(kind) | (static_cast<uint32_t>(position < 0 ? 0 : position) << 8);
+  g_kernels[kernel]->rules[plan].store(packed, std::memory_order_relaxed);
+}
+
+c10::DispatchKey native_key_of(c10::DeviceType device) {
+  switch (device) {
+    case c10::DeviceType::CUDA: return c10::DispatchKey::AutocastCUDA;
+    case c10::DeviceType::XPU: return c10::DispatchKey::AutocastXPU;
+    case c10::DeviceType::MPS: return c10::DispatchKey::AutocastMPS;
+    default: return c10::DispatchKey::AutocastCPU;
+  }
+}
+
+void set_top(bool on, int64_t depth, const std::string& device_type, pybind11::object dtype, int64_t plan) {
+  Top top;
+  top.on = on;
+  if (on) {
+    TORCH_CHECK(THPDtype_Check(dtype.ptr()), "set_top: dtype must be a torch.dtype");
+    top.depth = depth;
+    top.device = c10::Device(device_type).type();
+    top.dtype = reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type;
+    top.native_key = native_key_of(top.device);
+    top.plan = static_cast<int>(plan);
+  }
+  tls = top;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("built_against", &built_against, "The torch version this build was compiled against.");
+  m.doc() = "dispatch_amp's compiled engine (see src/dispatch_amp/_compiled/csrc/engine.cpp)";
+  m.def("built_against", [] {
+    return std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +
+           std::to_string(TORCH_VERSION_PATCH);
+  });
+  m.def("init", &init);
+  m.def("register_kernel", &register_kernel);
+  m.def("set_rule", &set_rule);
+  m.def("set_top", &set_top);
+  m.def("max_plans", [] { return kMaxPlans; });
+  m.def("bump_generation", [] { g_generation.fetch_add(1, std::memory_order_acq_rel); });
+  m.def("top", [] {
+    return pybind11::make_tuple(tls.on, tls.depth, static_cast<int>(tls.device),
+                                static_cast<int>(tls.dtype), tls.plan);
+  });
+  pybind11::class_<Store, std::shared_ptr<Store>>(m, "Store")
+      .def(pybind11::init<>())
+      .def("clear", &Store::clear, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("close", [](Store& s) { s.open.store(false); })
+      .def_property_readonly("open", [](Store& s) { return s.open.load(); })
+      .def("set_max_bytes", &Store::set_max_bytes, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("total_nbytes", &Store::total_nbytes)
+      .def("nbytes", [](Store& s) { std::lock_guard<std::mutex> lock(s.mu); return s.nbytes; })
+      .def("__len__", &Store::size)
+      .def("cast", [](Store& s, const at::Tensor& t, pybind11::object dtype, pybind11::object to) {
+        TORCH_CHECK(THPDtype_Check(dtype.ptr()), "Store.cast: dtype must be a torch.dtype");
+        return s.cast(t, reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type, to.ptr());
+      });
+  m.def("region_store", [] { return g_region; });
 }

@@ -1,0 +1,149 @@
+"""The compiled engine's Python half: what the C++ kernels read, written from the plans.
+
+The compiled engine (``dispatch_amp/_compiled/csrc/engine.cpp``) executes the plans the
+Python engine builds; it decides nothing. This module is where the two meet:
+
+- the engine in use is chosen once per process, at the first kernel registration
+  (``active()``: the C++ module, or None for the Python engine; ``dispatch_amp._compiled``
+  builds or loads it and says why not);
+- each kernel registered at our key is a C++ kernel holding the Python kernel of the
+  same overload (``register``), which it calls for everything it does not execute;
+- each plan gets a number (``prepare``), and for each (plan, registered overload) the rule
+  its handler stands for is written into the kernel at the first call that needs it
+  (``resolve_rule``): ``_handlers.lower``, ``fp32``,
+  ``promote``, ``given`` and native's fp32-unless-dtype wrapper with its ``dtype``
+  argument; any other handler (fp8, cuDNN RNN, banned ops, the refusals of
+  ``_torch_checkpoint``, native's fp32-append-dtype wrapper) stays Python;
+- the thread's innermost context (``_engine._refresh``) is written to the C++ side's
+  thread-local copy (``set_top``);
+- the weight-cast stores get C++ twins (``_cast_cache.use_native``), so that one cache
+  serves both halves.
+
+See "The compiled engine" in docs/design.md.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .. import _compiled, _torch_compat
+from . import _cast_cache, _handlers
+
+__all__ = ["active", "register", "prepare", "resolve_rule", "set_top", "PYTHON", "GIVEN", "LOWER", "FP32", "PROMOTE", "FP32_OPT_DTYPE"]
+
+# Rule kinds, as engine.cpp numbers them.
+PYTHON, GIVEN, LOWER, FP32, PROMOTE, FP32_OPT_DTYPE = range(6)
+
+_SIMPLE_RULES = {_handlers.lower: LOWER, _handlers.fp32: FP32, _handlers.promote: PROMOTE, _handlers.given: GIVEN}
+
+
+class _Engine:
+    """The process's choice, and what has been written into the C++ side."""
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.chosen = False
+        self.module = None
+        self.kernels: list = []  # kernel number -> OpOverload
+        self.plans: dict = {}  # Plan -> plan number (None past the C++ side's maximum)
+        self.numbered: list = []  # plan number -> Plan
+
+
+ENGINE = _Engine()
+
+
+def active():
+    """The compiled module when the compiled engine runs in this process, else None.
+
+    The first call chooses (building or loading the module, see ``dispatch_amp._compiled``);
+    later calls return the choice.
+    """
+    engine = ENGINE
+    if engine.chosen:
+        return engine.module
+    with engine.lock:
+        if not engine.chosen:
+            module = _compiled.compiled_module()
+            if module is not None:
+                module.init(
+                    _torch_compat.CASTS_LAST_ARGUMENT_FIRST, _cast_cache.SCOPE,
+                    torch.Tensor, torch.nn.Parameter, _cast_cache.lookup, resolve_rule,
+                )
+                _cast_cache.use_native(module)
+            engine.module = module
+            engine.chosen = True
+    return engine.module
+
+
+def chosen_name() -> str | None:
+    """``"compiled"`` or ``"python"`` once chosen, else None (nothing chosen yet)."""
+    if not ENGINE.chosen:
+        return None
+    return "compiled" if ENGINE.module is not None else "python"
+
+
+def register(module, op, python_kernel) -> None:
+    """Registers the C++ kernel of ``op`` at our key, holding ``python_kernel``."""
+    name = op._schema.name.split("::", 1)[1]
+    if op._overloadname != "default":
+        name = f"{name}.{op._overloadname}"
+    with ENGINE.lock:
+        number = module.register_kernel(op.namespace, name, python_kernel)
+        assert number == len(ENGINE.kernels), "kernels are numbered in registration order"
+        ENGINE.kernels.append(op)
+
+
+def rule_of(handler) -> tuple[int, int]:
+    """The C++ rule ``handler`` stands for: (kind, position of the dtype argument or -1)."""
+    kind = _SIMPLE_RULES.get(handler)
+    if kind is not None:
+        return kind, -1
+    position = getattr(handler, "dtype_position", None)
+    if position is not None:
+        return FP32_OPT_DTYPE, position
+    return PYTHON, -1
+
+
+def prepare(plan) -> None:
+    """Numbers ``plan`` for the C++ side. Its rules are written as its calls first need
+    them (``resolve_rule``): a plan's first region costs no more than under the Python
+    engine, which resolves its handlers on first use too."""
+    module = ENGINE.module
+    if module is None or plan in ENGINE.plans:
+        return
+    with ENGINE.lock:
+        if plan not in ENGINE.plans:
+            number = len(ENGINE.numbered)
+            if number < module.max_plans():
+                ENGINE.numbered.append(plan)
+                ENGINE.plans[plan] = number
+            else:  # past the C++ side's table: this plan's calls go to the Python kernels
+                ENGINE.plans[plan] = None
+
+
+def resolve_rule(kernel: int, number: int) -> None:
+    """Writes the rule of kernel ``kernel`` under plan ``number`` (the C++ kernel asks,
+    once, at the first call that needs it)."""
+    op, plan = ENGINE.kernels[kernel], ENGINE.numbered[number]
+    kind, position = rule_of(plan.handler(op))
+    ENGINE.module.set_rule(kernel, number, kind, position)
+
+
+def plan_number(plan) -> int:
+    """The number the C++ side knows ``plan`` by; -1: none (its calls go to Python)."""
+    number = ENGINE.plans.get(plan)
+    return -1 if number is None else number
+
+
+def set_top(module, top) -> None:
+    """Writes the thread's fast-path context (``ThreadState.top``) to the C++ side."""
+    if top is None:
+        module.set_top(False, -1, "cpu", None, -1)
+        return
+    ctx, depth, _, device_type, dtype, _ = top
+    module.set_top(True, -1 if depth is None else depth, device_type, dtype, plan_number(ctx.plan))
+
+
+_torch_compat.keep_out_of_dynamo(globals(), __name__)
