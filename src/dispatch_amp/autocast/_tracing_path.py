@@ -10,11 +10,22 @@ eligible ``F.linear``, or a linear-shaped ``torch.addmm``, ``torch.mm`` or ``mat
 fp8 recipe, is traced as ``fp8_linear``, inside ``torch.autocast(device, enabled=False)``
 (graph nodes too: no autocast inside the fp8 path, ours or native's); every other call is
 traced as given, and our kernels cast it when AOTAutograd traces it.
+
+Dynamo keeps ``F.multi_head_attention_forward`` whole, one graph node that the fp8 level
+sees as one call and AOTAutograd takes apart below it, where no call can take the fp8
+path (its tensors are AOTAutograd's, and state updates there would not be graph): its
+projections would run in the region's dtype, where eagerly they run in fp8. Under fp8,
+the fp8 level traces its body instead (``_composite_body``), with the level back on
+torch's stack, so each of its ``linear`` calls comes here as eagerly it comes to our
+kernel.
 """
 
 from __future__ import annotations
 
+import types
+
 import torch
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .. import _torch_compat
@@ -52,11 +63,65 @@ def _fp8_in_force(device_type: str | None, op_name: str) -> bool:
 _fp8_in_force_constant = _torch_compat.assume_constant_result(_fp8_in_force)
 
 
+def _no_torch_function(relevant_args) -> bool:
+    return False
+
+
+def _check_key_padding_mask(key_padding_mask, src_len: int, bsz: int) -> None:
+    # torch's check passes torch._check_with a message closing over a tensor, which
+    # Dynamo refuses to trace; the same check, with the same error, as Python.
+    rows, cols = key_padding_mask.shape[0], key_padding_mask.shape[1]
+    if rows != bsz:
+        raise AssertionError(f"Expected key_padded_mask.shape[0] to be {bsz}, but got {rows}")
+    if cols != src_len:
+        raise AssertionError(f"Expected key_padded_mask.shape[1] to be {src_len}, but got {cols}")
+
+
+# Helpers of the composites' module that Dynamo cannot trace, by name: the copies call ours.
+_TRACEABLE = {"_check_key_padding_mask": _check_key_padding_mask}
+
+
+def _composite_body(func):
+    """A copy of torch's Python function ``func`` whose own ``__torch_function__`` check
+    answers no (its callees keep theirs): called with the fp8 level on torch's stack, it
+    runs its body, whose calls come to the level, instead of handing itself back to it.
+    Its globals are a copy of its module's, taken at import, without ``__name__``: Dynamo
+    then reads every global it loads from that copy, and guards there, not on the module.
+    None where ``func`` asks no ``has_torch_function`` (a torch that spells its check
+    otherwise): the copy would hand itself back to the level without end."""
+    if "has_torch_function" not in func.__code__.co_names:
+        return None
+    scope = {k: v for k, v in func.__globals__.items() if k != "__name__"}
+    scope["has_torch_function"] = _no_torch_function
+    for name, replacement in _TRACEABLE.items():
+        if name in scope:
+            scope[name] = replacement
+    body = types.FunctionType(
+        func.__code__, scope, func.__name__, func.__defaults__, func.__closure__)
+    body.__kwdefaults__ = func.__kwdefaults__
+    return body
+
+
+# Python functions of torch that Dynamo puts in the graph whole and that call ``linear``.
+_COMPOSITES = {f: body for f in (F.multi_head_attention_forward,) if (body := _composite_body(f))}
+
+
+# ``Tensor.unflatten`` is Python that ends in ``super().unflatten``, which Dynamo cannot
+# inline: handed to a function mode it fails to trace (fullgraph) or breaks the graph.
+# ``torch.unflatten`` is the same op (the method's docstring says so) as one graph node.
+_TENSOR_UNFLATTEN = torch.Tensor.unflatten
+
+
 def trace_call(mode: TorchFunctionMode, func, args, kwargs):
     """The fp8 level's handler while Dynamo traces (its code becomes graph)."""
+    if func is _TENSOR_UNFLATTEN:
+        return torch.unflatten(*args, **kwargs)
     recipe = mode.fp8_recipe
     if recipe is None:
         return func(*args, **kwargs)
+    body = _COMPOSITES.get(func)
+    if body is not None:
+        return _trace_composite(mode, func, body, args, kwargs)
     name = getattr(func, "__name__", None)
     op_name = _OPS.get(name)
     if op_name is None:
@@ -87,6 +152,19 @@ def trace_call(mode: TorchFunctionMode, func, args, kwargs):
         _refuse_unbound_site(type(recipe).__name__)
     with torch.autocast(device_type, enabled=False):
         return fp8_linear(x, weight, bias, recipe, dtype, site)
+
+
+def _trace_composite(mode, func, body, args, kwargs):
+    """``func``'s body traced with the fp8 level on torch's stack, where a ``linear`` of
+    it may run in fp8; else ``func`` whole."""
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    if not tensors or not _fp8_in_force_constant(tensors[0].device.type, "aten::linear"):
+        return func(*args, **kwargs)
+    # A tensor subclass keeps its own __torch_function__, which the body no longer asks.
+    if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors):
+        return func(*args, **kwargs)
+    with mode:
+        return body(*args, **kwargs)
 
 
 @_torch_compat.assume_constant_result
