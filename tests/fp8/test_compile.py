@@ -186,3 +186,57 @@ def test_inductor_compiles_the_fp8_model_in_one_graph(monkeypatch, make, gemm):
     # reciprocal): an element may land one fp8 step away from eager's, not bit for bit.
     for got, want in zip(out["inductor"], out["eager"]):
         assert (got.float() - want.float()).norm() <= 0.04 * want.float().norm()
+
+
+class _Gemm(torch.nn.Module):
+    def __init__(self, gemm):
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight = torch.nn.Parameter(torch.randn(32, 32) * 0.1)
+        self.gemm = gemm
+
+    def forward(self, x):
+        return self.gemm(x, self.weight)
+
+
+@pytest.mark.parametrize("gemm", [
+    lambda x, w: torch.linalg.matmul(x, w.t()),   # an alias of matmul
+    lambda x, w: w.t().__rmatmul__(x),            # x @ w.t() where x's type gave way
+], ids=["linalg.matmul", "rmatmul"])
+def test_other_spellings_of_matmul_run_in_fp8_compiled_as_eagerly(gemm):
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    out = []
+    for compiled in (False, True):
+        model = _Gemm(gemm)
+        recipe = fp8.CurrentScaling().bind(model)
+        run = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+        with amp.autocast("cpu", dtype=torch.bfloat16, fp8=recipe):
+            y = run(x)
+        y.float().sum().backward()
+        out.append((y, x.grad, model.weight.grad, [(r.name, r.calls) for r in recipe.report()]))
+        x.grad = None
+    (y_e, dx_e, dw_e, ran_e), (y_c, dx_c, dw_c, ran_c) = out
+    assert ran_e == ran_c == [("<root>", 1)]
+    assert torch.equal(y_e, y_c) and torch.equal(dx_e, dx_c) and torch.equal(dw_e, dw_c)
+
+
+@pytest.mark.parametrize("gemm, policy", [
+    (lambda x, w: torch.tensordot(x, w, dims=([1], [1])), None),
+    (lambda x, w: torch.inner(x, w), None),
+    (lambda x, w: torch.linalg.multi_dot([x, w.t()]), None),
+    (lambda x, w: x @ w.t(), amp.Policy.for_device("cpu").without_ops("matmul")),
+], ids=["tensordot", "inner", "multi_dot", "matmul-without-a-rule"])
+def test_a_gemm_inside_a_composite_warns_compiled(gemm, policy):
+    # Eagerly the mm inside these composites reaches the fp8 path; the fp8 level cannot see
+    # it while Dynamo traces, so compiled it runs in the region's dtype: said, not silent.
+    model = _Gemm(gemm)
+    x = torch.randn(16, 32)
+    region = dict(policy=policy) if policy is not None else {}
+    eager_recipe = fp8.CurrentScaling().bind(model)
+    with amp.autocast("cpu", dtype=torch.bfloat16, fp8=eager_recipe, **region):
+        model(x)
+    assert [(r.name, r.calls) for r in eager_recipe.report()] == [("<root>", 1)]
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with pytest.warns(amp.AmpNumericsWarning, match="eagerly the gemm inside it may run in fp8"):
+        with amp.autocast("cpu", dtype=torch.bfloat16, fp8=fp8.CurrentScaling().bind(model), **region):
+            compiled(x)

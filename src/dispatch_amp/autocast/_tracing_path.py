@@ -23,6 +23,7 @@ kernel.
 from __future__ import annotations
 
 import types
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,8 @@ from torch.overrides import TorchFunctionMode
 from .. import _torch_compat
 from ..fp8 import fp8_linear
 from ..fp8._eligibility import fp8_eligible, linear_arguments
-from ..fp8._reach import TRANSPOSES, linear_shaped, mark_transpose
+from ..fp8._reach import TRANSPOSES, linear_shaped, mark_transpose, weight_of
+from ..warning_types import AmpNumericsWarning
 from ._state import STATE, native_nesting
 from .op_tables import FP8
 
@@ -39,14 +41,26 @@ __all__ = ["trace_call"]
 
 # The torch functions (by name) that reach an op whose calls may be a linear, and that op.
 _OPS = {"linear": "aten::linear", "addmm": "aten::addmm", "mm": "aten::mm", "matmul": "aten::matmul",
-        "__matmul__": "aten::matmul"}
+        "__matmul__": "aten::matmul", "linalg_matmul": "aten::matmul"}
+# A function whose op is a composite of the op above: eagerly that op's kernel sees its
+# call only where the policy has no rule for the composite (a rule would cast it and run
+# it with autocast off inside).
+_VIA = {"linalg_matmul": "aten::linalg_matmul"}
+# Functions (by name) whose composite calls ``mm`` on operands of its own making: eagerly
+# that ``mm`` may be a linear the fp8 path takes; the fp8 level cannot see it, and
+# compiled it runs in the region's dtype. Traced with a weight, they warn.
+_UNSEEN = {"tensordot": "aten::tensordot", "inner": "aten::inner",
+           "chain_matmul": "aten::chain_matmul", "linalg_multi_dot": "aten::linalg_multi_dot"}
+_SPELLED = {"linalg_multi_dot": "linalg.multi_dot", "matmul": "matmul (x @ w)",
+            "__matmul__": "matmul (x @ w)", "linalg_matmul": "linalg.matmul"}
 
 
-def _fp8_in_force(device_type: str | None, op_name: str) -> bool:
+def _fp8_in_force(device_type: str | None, op_name: str, via: str | None = None) -> bool:
     """Whether the innermost region of ``device_type`` marks ``op_name``'s default overload
     fp8 under a recipe, with no native region inside it (run by Dynamo at trace time, its
     result baked into the graph; the guards on our token and on the fp8 level's recipe
-    cover what it read)."""
+    cover what it read). ``via``: the composite op the call is made inside, which the
+    policy must leave as it is."""
     st = STATE
     ctx = st.primary
     if ctx is None:
@@ -56,6 +70,8 @@ def _fp8_in_force(device_type: str | None, op_name: str) -> bool:
     if native_nesting() > st.native_depth:
         return False
     if not torch.is_autocast_enabled(device_type):  # switched off by hand inside the region
+        return False
+    if via is not None and ctx.policy.kind_of(f"{via}.default") is not None:
         return False
     return ctx.policy.kind_of(f"{op_name}.default") is FP8
 
@@ -123,10 +139,16 @@ def trace_call(mode: TorchFunctionMode, func, args, kwargs):
     if body is not None:
         return _trace_composite(mode, func, body, args, kwargs)
     name = getattr(func, "__name__", None)
+    if name == "__rmatmul__" and len(args) == 2 and not kwargs and isinstance(args[1], torch.Tensor):
+        # x @ w where x's type gave way to w's: Tensor.__rmatmul__ is Python calling
+        # torch.matmul(x, w), which eagerly reaches matmul's kernel.
+        func, args, name = torch.matmul, (args[1], args[0]), "matmul"
     op_name = _OPS.get(name)
     if op_name is None:
         if name in TRANSPOSES:  # x @ w.t(): the fp8 path needs to know w.t() is w's
             return mark_transpose(func, args, kwargs)
+        if name in _UNSEEN:
+            _warn_if_unseen(name, _UNSEEN[name], args)
         return func(*args, **kwargs)
     if op_name == "aten::linear":
         x, weight, bias = linear_arguments(args, kwargs)
@@ -139,7 +161,12 @@ def trace_call(mode: TorchFunctionMode, func, args, kwargs):
     if not isinstance(x, torch.Tensor):
         return func(*args, **kwargs)
     device_type = x.device.type
-    if not _fp8_in_force_constant(device_type, op_name):
+    if not _fp8_in_force_constant(device_type, op_name, _VIA.get(name)):
+        # Under a policy without a matmul rule, eagerly the mm inside matmul's own
+        # implementation may take the fp8 path (when matmul folds x into a matrix).
+        if (op_name == "aten::matmul" and _fp8_in_force_constant(device_type, "aten::mm", "aten::matmul")
+                and fp8_eligible(recipe, device_type, x, weight, bias, holder=holder)):
+            _warn_unseen(name)
         return func(*args, **kwargs)
     dtype = torch.get_autocast_dtype(device_type)
     if not fp8_eligible(recipe, device_type, x, weight, bias, holder=holder):
@@ -165,6 +192,30 @@ def _trace_composite(mode, func, body, args, kwargs):
         return func(*args, **kwargs)
     with mode:
         return body(*args, **kwargs)
+
+
+def _warn_if_unseen(name: str, composite: str, args) -> None:
+    """Warns when a call of ``name`` (an ``_UNSEEN`` function) has a weight (a 2-D
+    parameter or a transpose of one) among its operands and its ``mm`` may be fp8."""
+    operands = [a for arg in args for a in (arg if isinstance(arg, (list, tuple)) else (arg,))]
+    tensors = [t for t in operands if isinstance(t, torch.Tensor)]
+    if not tensors or not _fp8_in_force_constant(tensors[0].device.type, "aten::mm", composite):
+        return
+    if any(weight_of(t) is not None for t in tensors):
+        _warn_unseen(name)
+
+
+@_torch_compat.assume_constant_result
+def _warn_unseen(name: str) -> bool:
+    # Runs while Dynamo traces: once per compile of the call.
+    warnings.warn(
+        f"torch.{_SPELLED.get(name, name)} with a weight under fp8 and torch.compile: "
+        f"eagerly the gemm inside it may run in fp8 (a call inside torch's composites "
+        f"counts as a linear); compiled, the call stays whole until AOTAutograd takes it "
+        f"apart, below the fp8 path, and its gemm runs in the region's dtype. Write it as "
+        f"F.linear(x, w) or x @ w.t() to run it in fp8 both ways.",
+        AmpNumericsWarning, stacklevel=2)
+    return True
 
 
 @_torch_compat.assume_constant_result
