@@ -1,5 +1,6 @@
 """fp8 under torch.compile: the fp8 gemms in the graph (fullgraph), aot_eager bit-identical
-to eager over several training steps, recompilation when the recipe changes."""
+to eager over several training steps (``nn.MultiheadAttention``'s projections in fp8
+too), recompilation when the recipe changes."""
 
 import pytest
 import torch
@@ -28,6 +29,34 @@ def _model():
     return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
 
 
+class _Attention(torch.nn.Module):
+    """Self-attention (one packed in-projection) and attention to a padded memory of
+    another width (separate q/k/v projections), then a linear: every projection runs in
+    fp8."""
+
+    def __init__(self):
+        super().__init__()
+        self.self_attn = torch.nn.MultiheadAttention(32, 2, batch_first=True)
+        self.cross = torch.nn.MultiheadAttention(32, 2, kdim=48, vdim=48, batch_first=True)
+        self.out = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        x = x.view(2, 8, 32)
+        memory = torch.cat([x, x[..., :16]], dim=-1)
+        a, _ = self.self_attn(x, x, x, need_weights=False)
+        padding = (torch.arange(8) >= 6).expand(2, 8)
+        b, _ = self.cross(a, memory, memory, key_padding_mask=padding)
+        return self.out(b).view(16, 32)
+
+
+def _attention():
+    torch.manual_seed(0)
+    return _Attention()
+
+
+MODELS = {"mlp": _model, "attention": _attention}
+
+
 def _train(model, recipe, steps=3):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     out = []
@@ -42,13 +71,16 @@ def _train(model, recipe, steps=3):
     return out
 
 
+@pytest.mark.parametrize("make", sorted(MODELS))
 @pytest.mark.parametrize("name", sorted(RECIPES))
-def test_aot_eager_is_bit_identical_to_eager_in_one_graph(name):
-    eager_model = _model()
+def test_aot_eager_is_bit_identical_to_eager_in_one_graph(name, make):
+    # nn.MultiheadAttention: Dynamo keeps F.multi_head_attention_forward whole, and its
+    # projections must still run in fp8 as they do eagerly (the reports compare them).
+    eager_model = MODELS[make]()
     eager_recipe = RECIPES[name]().bind(eager_model)
     eager = _train(eager_model, eager_recipe)
 
-    model = _model()
+    model = MODELS[make]()
     recipe = RECIPES[name]().bind(model)
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, backend=counter, fullgraph=True)
@@ -65,6 +97,28 @@ def test_aot_eager_is_bit_identical_to_eager_in_one_graph(name):
             assert torch.equal(value, recipe.state_dict()["sites"][site][key]), (site, key)
     assert [(r.name, r.calls, r.amax, r.scale, r.saturated) for r in eager_recipe.report()] == [
         (r.name, r.calls, r.amax, r.scale, r.saturated) for r in recipe.report()]
+
+
+def test_attention_projections_run_in_fp8_compiled():
+    model = _attention()
+    recipe = fp8.CurrentScaling().bind(model)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with amp.autocast("cpu", dtype=torch.bfloat16, fp8=recipe):
+        compiled(torch.randn(16, 32))
+    ran = {r.name for r in recipe.report() if r.calls}
+    assert {"self_attn.in_proj_weight", "self_attn.out_proj", "cross.q_proj_weight",
+            "cross.k_proj_weight", "cross.v_proj_weight", "cross.out_proj", "out"} <= ran
+
+
+def test_unflatten_traces_under_fp8_in_one_graph():
+    # Tensor.unflatten ends in super().unflatten, which Dynamo cannot inline under a mode.
+    model = torch.nn.Linear(32, 96)
+    x = torch.randn(16, 32)
+    with amp.autocast("cpu", dtype=torch.bfloat16, fp8=fp8.CurrentScaling()):
+        want = model(x).unflatten(-1, (3, 32))
+        split = torch.compile(lambda x: model(x).unflatten(-1, (3, 32)), backend="aot_eager", fullgraph=True)
+        got = split(x)
+    assert torch.equal(want, got)
 
 
 def test_the_graph_contains_the_scaled_gemms():
@@ -132,3 +186,57 @@ def test_inductor_compiles_the_fp8_model_in_one_graph(monkeypatch, make, gemm):
     # reciprocal): an element may land one fp8 step away from eager's, not bit for bit.
     for got, want in zip(out["inductor"], out["eager"]):
         assert (got.float() - want.float()).norm() <= 0.04 * want.float().norm()
+
+
+class _Gemm(torch.nn.Module):
+    def __init__(self, gemm):
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight = torch.nn.Parameter(torch.randn(32, 32) * 0.1)
+        self.gemm = gemm
+
+    def forward(self, x):
+        return self.gemm(x, self.weight)
+
+
+@pytest.mark.parametrize("gemm", [
+    lambda x, w: torch.linalg.matmul(x, w.t()),   # an alias of matmul
+    lambda x, w: w.t().__rmatmul__(x),            # x @ w.t() where x's type gave way
+], ids=["linalg.matmul", "rmatmul"])
+def test_other_spellings_of_matmul_run_in_fp8_compiled_as_eagerly(gemm):
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    out = []
+    for compiled in (False, True):
+        model = _Gemm(gemm)
+        recipe = fp8.CurrentScaling().bind(model)
+        run = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+        with amp.autocast("cpu", dtype=torch.bfloat16, fp8=recipe):
+            y = run(x)
+        y.float().sum().backward()
+        out.append((y, x.grad, model.weight.grad, [(r.name, r.calls) for r in recipe.report()]))
+        x.grad = None
+    (y_e, dx_e, dw_e, ran_e), (y_c, dx_c, dw_c, ran_c) = out
+    assert ran_e == ran_c == [("<root>", 1)]
+    assert torch.equal(y_e, y_c) and torch.equal(dx_e, dx_c) and torch.equal(dw_e, dw_c)
+
+
+@pytest.mark.parametrize("gemm, policy", [
+    (lambda x, w: torch.tensordot(x, w, dims=([1], [1])), None),
+    (lambda x, w: torch.inner(x, w), None),
+    (lambda x, w: torch.linalg.multi_dot([x, w.t()]), None),
+    (lambda x, w: x @ w.t(), amp.Policy.for_device("cpu").without_ops("matmul")),
+], ids=["tensordot", "inner", "multi_dot", "matmul-without-a-rule"])
+def test_a_gemm_inside_a_composite_warns_compiled(gemm, policy):
+    # Eagerly the mm inside these composites reaches the fp8 path; the fp8 level cannot see
+    # it while Dynamo traces, so compiled it runs in the region's dtype: said, not silent.
+    model = _Gemm(gemm)
+    x = torch.randn(16, 32)
+    region = dict(policy=policy) if policy is not None else {}
+    eager_recipe = fp8.CurrentScaling().bind(model)
+    with amp.autocast("cpu", dtype=torch.bfloat16, fp8=eager_recipe, **region):
+        model(x)
+    assert [(r.name, r.calls) for r in eager_recipe.report()] == [("<root>", 1)]
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with pytest.warns(amp.AmpNumericsWarning, match="eagerly the gemm inside it may run in fp8"):
+        with amp.autocast("cpu", dtype=torch.bfloat16, fp8=fp8.CurrentScaling().bind(model), **region):
+            compiled(x)

@@ -27,7 +27,7 @@ import torch
 
 from .. import _torch_compat
 
-__all__ = ["linear_shaped", "mark_transpose", "OPS", "TRANSPOSES"]
+__all__ = ["linear_shaped", "mark_transpose", "weight_of", "OPS", "TRANSPOSES"]
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -102,6 +102,19 @@ def _transposed_parameter(t) -> _Parameter | None:
     if not _is_compiling() and t.storage_offset() != base.storage_offset():
         return None
     return base
+
+
+def weight_of(t) -> _Parameter | None:
+    """The parameter ``t`` is or is the transpose of (2-D, as a linear-shaped call's right
+    operand must be), else None. Example::
+
+        >>> w = torch.nn.Parameter(torch.randn(4, 8))
+        >>> weight_of(w.t()) is w, weight_of(torch.randn(4, 8))
+        (True, None)
+    """
+    if not isinstance(t, _Tensor) or t.dim() != 2:
+        return None
+    return t if type(t) is _Parameter else _transposed_parameter(t)
 
 
 def mark_transpose(func, args, kwargs):
