@@ -218,6 +218,7 @@ def test_host_cost_reads_the_engine_from_dispatch_amp_where_it_can(monkeypatch):
     assert host_cost.engine_name() == "python"  # a package without a choice of engine
 
 
+@pytest.mark.needs_compiler
 def test_engines_measures_both_engines_against_native():
     out = subprocess.run([sys.executable, "-m", "benchmarks.engines", "--rounds", "1", "--models", "mlp"],
                          cwd=REPO, capture_output=True, text=True, timeout=HANG_GUARD_S)
