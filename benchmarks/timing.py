@@ -87,7 +87,8 @@ def _rounds(sample: Callable[[str], float], names: Iterable[str], rounds: int, w
 
 def interleaved(fns: dict[str, Callable[[], object]], rounds: int, *, warmup: int = 1, calls: int = 1,
                 setup: Callable[[str], object] | None = None,
-                inside: Callable[[str], contextlib.AbstractContextManager] | None = None) -> dict[str, list[float]]:
+                inside: Callable[[str], contextlib.AbstractContextManager] | None = None,
+                timer: Callable[[], float] | None = None) -> dict[str, list[float]]:
     """Seconds per call of each fn: one sample per fn per round, the fns in rotated order,
     after ``warmup`` untimed samples of each. A sample is ``calls`` calls in a row (the
     steps per sample: a sample's time divided by ``calls``, so every sample is per call
@@ -95,8 +96,9 @@ def interleaved(fns: dict[str, Callable[[], object]], rounds: int, *, warmup: in
 
     ``setup(name)`` runs untimed before each sample (e.g. refilling gradients);
     ``inside(name)`` gives a context each sample runs in, entered and left off the clock
-    (e.g. an autocast region around a loop of tiny ops). Returns name -> one sample per
-    round.
+    (e.g. an autocast region around a loop of tiny ops). ``timer``: the clock (default
+    wall time, ``time.perf_counter``; ``time.thread_time`` counts this thread's CPU time
+    only, what host overhead is on a shared machine). Returns name -> one sample per round.
 
     Example::
 
@@ -104,16 +106,17 @@ def interleaved(fns: dict[str, Callable[[], object]], rounds: int, *, warmup: in
         statistics.median(s["ours"]) * 1e6   # microseconds per call
     """
     _check(fns, rounds, warmup, calls)
+    now = clock if timer is None else timer
 
     def sample(name: str) -> float:
         fn = fns[name]
         if setup is not None:
             setup(name)
         with inside(name) if inside is not None else contextlib.nullcontext():
-            start = clock()
+            start = now()
             for _ in range(calls):
                 fn()
-            return (clock() - start) / calls
+            return (now() - start) / calls
 
     return _rounds(sample, fns, rounds, warmup)
 

@@ -216,3 +216,12 @@ def test_host_cost_reads_the_engine_from_dispatch_amp_where_it_can(monkeypatch):
     assert host_cost.engine_name() == "compiled"
     monkeypatch.delattr(amp, "engine")
     assert host_cost.engine_name() == "python"  # a package without a choice of engine
+
+
+@pytest.mark.needs_compiler
+def test_engines_measures_both_engines_against_native():
+    out = subprocess.run([sys.executable, "-m", "benchmarks.engines", "--rounds", "1", "--models", "mlp"],
+                         cwd=REPO, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "MLP 24 x 64" in line]
+    assert [row.split("|")[1].strip() for row in rows] == ["compiled", "python"], out.stdout

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from dispatch_amp import build
@@ -28,6 +29,7 @@ def test_a_build_that_cannot_run_exits_non_zero_with_the_cause(tmp_path, monkeyp
     assert "not built" in err and "'/nonexistent' (from CXX) is not found" in err and "Fix:" in err
 
 
+@pytest.mark.needs_compiler  # the compiler must run for its error (or ninja's absence) to show
 def test_a_compile_error_prints_the_compilers_whole_output(tmp_path, monkeypatch, capsys):
     csrc = tmp_path / "csrc"
     csrc.mkdir()

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import dispatch_amp as amp
@@ -66,6 +67,7 @@ def test_a_forward_enters_our_python_only_for_the_calls_the_policy_casts():
     assert sum(entries["ops"].values()) == entries["count"]
 
 
+@pytest.mark.needs_compiler
 def test_under_the_compiled_engine_a_forward_never_enters_our_python():
     """The compiled engine executes every cast of a plain model's forward in C++."""
     entries = _forward_entries("compiled")

@@ -163,6 +163,8 @@ def use_native(module) -> None:
     reached through ``lookup`` by the C++ kernels."""
     global _NATIVE
     REGION._attach(module.region_store())
+    with STEPS.lock:
+        module.set_scopes_open(STEPS.scopes)
     store = SCOPE.get()
     if store is not None and store.native is None and not store.entries:
         store._attach(module.Store())
@@ -376,6 +378,8 @@ class cast_cache:
             if STEPS.scopes == 0:
                 STEPS.hook = register_optimizer_step_post_hook(_optimizer_stepped)
             STEPS.scopes += 1
+            if _NATIVE is not None:  # the compiled kernels read the scope only while one is open
+                _NATIVE.set_scopes_open(STEPS.scopes)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -393,6 +397,8 @@ class cast_cache:
                 _fp8_copies.region_closed()
         with STEPS.lock:
             STEPS.scopes -= 1
+            if _NATIVE is not None:
+                _NATIVE.set_scopes_open(STEPS.scopes)
             if STEPS.scopes == 0:
                 STEPS.hook.remove()
                 STEPS.hook = None

@@ -75,6 +75,9 @@ struct Top {
 thread_local Top tls;
 
 std::atomic<uint64_t> g_generation{0};  // optimizer steps seen while a cast_cache is open
+// cast_cache scopes open in the process (_cast_cache.STEPS.scopes): while none is, every
+// context's store is the per-region one, found without the GIL.
+std::atomic<int64_t> g_scopes{0};
 
 // -- the weight-cast cache ---------------------------------------------------------------
 // One store: the process's per-region cache or one cast_cache scope's. An entry holds the
@@ -251,15 +254,32 @@ inline bool cacheable(const at::Tensor& t, at::ScalarType dtype) {
          at::autocast::is_autocast_cache_enabled() && !at::caching::is_cached_tensor(t);
 }
 
-// Under the GIL: whether `t`'s Python class is torch.Tensor or Parameter (a subclass is
-// never cached, as in cast_one), and the store of this context (read once per call).
+// Whether `t`'s Python class is torch.Tensor or Parameter (a subclass is never cached, as
+// in cast_one), and the store of this context (read once per call). The class is read
+// from the tensor's Python object without the GIL where torch exposes it (a tensor without
+// one is a plain Tensor to Python); the store needs the GIL only while a cast_cache scope
+// is open somewhere.
 bool plain_class_and_store(const at::Tensor& t, CallState& cs) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
+  PyObject* own = t.unsafeGetTensorImpl()->pyobj_slot()->load_pyobj();
+  if (own != nullptr) {
+    PyTypeObject* type = Py_TYPE(own);
+    if (type != g.tensor_type && type != g.parameter_type) return false;
+  }
+  if (!cs.store_read && g_scopes.load(std::memory_order_acquire) == 0) {
+    cs.store_read = true;
+    cs.store = g_region;
+  }
+  if (cs.store_read) return true;
+  pybind11::gil_scoped_acquire gil;
+#else
   pybind11::gil_scoped_acquire gil;
   PyObject* obj = THPVariable_Wrap(t);
   if (!obj) throw python_error();
   PyTypeObject* type = Py_TYPE(obj);
   Py_DECREF(obj);
   if (type != g.tensor_type && type != g.parameter_type) return false;
+#endif
   if (!cs.store_read) {
     cs.store_read = true;
     PyObject* value = nullptr;
@@ -645,6 +665,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_top", &set_top);
   m.def("max_plans", [] { return kMaxPlans; });
   m.def("bump_generation", [] { g_generation.fetch_add(1, std::memory_order_acq_rel); });
+  m.def("set_scopes_open", [](int64_t n) { g_scopes.store(n, std::memory_order_release); });
   m.def("top", [] {
     return pybind11::make_tuple(tls.on, tls.depth, static_cast<int>(tls.device),
                                 static_cast<int>(tls.dtype), tls.plan);
