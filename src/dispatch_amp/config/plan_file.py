@@ -138,8 +138,8 @@ def _recipe_data(recipe: Recipe, where: str) -> dict:
                          f"(and 'no_fp8' for those not to)")
     if getattr(recipe, "process_group", None) is not None:
         raise ValueError(f"{where}: the {cls.__name__} reduces amaxes over a process group, an object of this "
-                         f"process that a file cannot hold; write the plan with a recipe without one (the world "
-                         f"group) and set the group on the loaded recipe's plan in code")
+                         f"process that a file cannot hold: give the plan that recipe in code, or write it with a "
+                         f"recipe that reduces over the world group (process_group=None)")
     data = {"recipe": cls.__name__}
     for name in inspect.signature(cls.__init__).parameters:
         if name in _NOT_CONFIG:
