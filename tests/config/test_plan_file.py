@@ -275,3 +275,13 @@ def test_a_plan_loaded_from_its_toml_runs_the_model_to_the_same_bits(tmp_path):
     with amp.autocast("cpu"):
         plain = model.loss(x, y)
     assert not torch.equal(plain, want)
+
+
+def test_a_plan_in_a_checkpoint_is_plain_data():
+    import io
+
+    plan = _plans()[1]
+    buffer = io.BytesIO()
+    torch.save({"plan": amp.config.state_dict(plan)}, buffer)
+    buffer.seek(0)
+    _same_plan(plan, amp.config.load_state_dict(torch.load(buffer, weights_only=True)["plan"]))
