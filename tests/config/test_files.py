@@ -84,7 +84,7 @@ def test_bad_files_are_refused_clearly(tmp_path):
     with pytest.raises(ConfigError, match="not valid TOML"):
         amp.config.load(bad)
     bad.write_text('kind = "module_plan"\nformat = 1\n')
-    with pytest.raises(ConfigError, match=r"kind = 'module_plan': unknown kind; known kinds: \['policy'\]"):
+    with pytest.raises(ConfigError, match=r"kind = 'module_plan': unknown kind; known kinds: \['policy', 'precision_plan'\]"):
         amp.config.load(bad)
     bad.write_text('format = 1\n')
     with pytest.raises(ConfigError, match="kind: missing"):

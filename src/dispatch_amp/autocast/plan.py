@@ -440,7 +440,8 @@ class PrecisionPlan:
     def to_dict(self) -> dict:
         """The plan as data: ``{"modules": {pattern: setting}, "default", "device_type",
         "dtype", "cache_enabled"}``, settings as given (dtypes as their names; a Policy or a
-        recipe as the object). ``PrecisionPlan.from_dict`` takes it back.
+        recipe as the object). ``PrecisionPlan.from_dict`` takes it back;
+        ``dispatch_amp.config.dump`` writes the plan as a TOML or JSON file.
 
         Example::
 

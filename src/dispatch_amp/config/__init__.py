@@ -1,15 +1,16 @@
 """Configuration a team reviews: policies as TOML or JSON files, in checkpoints, and
 compared op by op.
 
-- ``dump(obj, path)`` / ``load(path)``: a ``Policy`` (``Policy.to_dict``) as a ``.toml`` or
-  ``.json`` file, read back exactly; a file that does not validate fails at load with
-  ``ConfigError``, naming the file, line and key.
+- ``dump(obj, path)`` / ``load(path)``: a ``Policy`` (``Policy.to_dict``) or a
+  ``PrecisionPlan`` (``plan_file``) as a ``.toml`` or ``.json`` file, read back exactly; a
+  file that does not validate fails at load with ``ConfigError``, naming the file, line
+  and key.
 - ``state_dict(obj)`` / ``load_state_dict(state)``: the same data, for a framework
   checkpoint (key ``CHECKPOINT_KEY``, next to the scaler's state).
 - ``policy_diff(a, b)``: what differs per op between policies, torch releases or files.
 
-A file says what it holds (``kind = "policy"``) and in which layout (``format = 1``);
-``register_kind`` adds kinds.
+A file says what it holds (``kind = "policy"``, ``"precision_plan"``) and in which layout
+(``format = 1``); ``register_kind`` adds kinds.
 
 Example::
 

@@ -2,8 +2,9 @@
 and where a key stands in a file's text, for errors that give a line.
 
 It writes what configurations hold: tables of strings, integers, floats, booleans and
-lists of those, nested tables. Lists are written one item a line, so a changed entry is a
-one-line diff in review.
+lists of those, nested tables, and lists of tables (as ``[[name]]`` sections, which keep
+their order). Lists are written one item a line, so a changed entry is a one-line diff in
+review.
 """
 
 from __future__ import annotations
@@ -76,16 +77,27 @@ def dumps(data: Mapping) -> str:
     return "\n".join(lines).lstrip("\n") + "\n"
 
 
-def _table(data: Mapping, path: list[str], lines: list[str]) -> None:
-    plain = [(k, v) for k, v in data.items() if not isinstance(v, Mapping)]
-    nested = [(k, v) for k, v in data.items() if isinstance(v, Mapping)]
-    if path and (plain or not nested):
+def _tables(v) -> bool:
+    """Whether ``v`` is a list of tables (written as ``[[name]]`` sections)."""
+    return isinstance(v, (list, tuple)) and bool(v) and all(isinstance(item, Mapping) for item in v)
+
+
+def _table(data: Mapping, path: list[str], lines: list[str], header: str | None = None) -> None:
+    # A section's plain values come before any section below it: a header ends the table.
+    plain = [(k, v) for k, v in data.items() if not isinstance(v, Mapping) and not _tables(v)]
+    nested = [(k, v) for k, v in data.items() if isinstance(v, Mapping) or _tables(v)]
+    if header is not None or (path and (plain or not nested)):
         lines.append("")
-        lines.append("[" + ".".join(_key(p) for p in path) + "]")
+        lines.append(header or "[" + ".".join(_key(p) for p in path) + "]")
     for k, v in plain:
         lines.append(f"{_key(k)} = {_value(v)}")
     for k, v in nested:
-        _table(v, [*path, k], lines)
+        if isinstance(v, Mapping):
+            _table(v, [*path, k], lines)
+        else:
+            # Each ``[[a.b]]`` opens the list's next item; its subtables follow it.
+            for item in v:
+                _table(item, [*path, k], lines, header="[[" + ".".join(_key(p) for p in [*path, k]) + "]]")
 
 
 def line_of(text: str, key: str | None, value: object = None) -> int | None:

@@ -1,10 +1,11 @@
 """Configurations as TOML or JSON files, and in checkpoints.
 
-A file holds one object: a table with ``kind`` (what it is: ``"policy"``), ``format`` (the
-version of that kind's layout) and the object's own keys. Each kind is a class with
-``to_dict()`` and ``from_dict(data)`` (``Policy``'s); ``register_kind`` adds one. Loading
-validates: a misspelt key, an unknown cast kind or op fails with ``ConfigError``, naming
-the key and, from the file's text, its line.
+A file holds one object: a table with ``kind`` (what it is: ``"policy"``,
+``"precision_plan"``), ``format`` (the version of that kind's layout) and the object's own
+keys. Each kind is a class and the two functions between its objects and that data
+(``Policy.to_dict`` / ``Policy.from_dict``; a ``PrecisionPlan``'s are in ``plan_file``);
+``register_kind`` adds one. Loading validates: a misspelt key, an unknown cast kind or op
+fails with ``ConfigError``, naming the key and, from the file's text, its line.
 """
 
 from __future__ import annotations
@@ -13,36 +14,43 @@ import json
 import os
 import pathlib
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._config_error import ConfigError
+from ..autocast.plan import PrecisionPlan
 from ..autocast.policy import Policy
-from . import _toml
+from . import _toml, plan_file
 
 __all__ = ["dump", "load", "dumps", "loads", "to_dict", "from_dict", "register_kind", "state_dict",
            "load_state_dict", "CHECKPOINT_KEY", "ConfigError"]
 
-# kind -> the class of its objects (with to_dict() and from_dict(data)).
-_KINDS: dict[str, type] = {"policy": Policy}
+# kind -> (the class of its objects, object -> data, data -> object).
+_KINDS: dict[str, tuple[type, Callable[[Any], dict], Callable[[Mapping], Any]]] = {
+    "policy": (Policy, Policy.to_dict, Policy.from_dict),
+    plan_file.KIND: (PrecisionPlan, plan_file.plan_to_dict, plan_file.plan_from_dict),
+}
 _SUFFIXES = {".toml": "toml", ".json": "json"}
 # The key a framework checkpoint files the policy under, next to the scaler's state.
 CHECKPOINT_KEY = "dispatch_amp_policy"
 
 
-def register_kind(kind: str, cls: type) -> None:
-    """Makes objects of ``cls`` (with ``to_dict()`` giving ``{"kind": kind, "format": ...,
-    ...}`` and a classmethod ``from_dict``) readable and writable as files of ``kind``.
+def register_kind(kind: str, cls: type, *, to_dict: Callable[[Any], dict] | None = None,
+                  from_dict: Callable[[Mapping], Any] | None = None) -> None:
+    """Makes objects of ``cls`` readable and writable as files of ``kind``: ``to_dict(obj)``
+    gives ``{"kind": kind, "format": ..., ...}`` (plain data) and ``from_dict(data)`` the
+    object back; by default ``cls``'s own ``to_dict()`` method and ``from_dict`` classmethod.
 
     Example::
 
-        register_kind("module_plan", ModulePlan)
+        register_kind("schedule", Schedule)
+        register_kind("schedule", Schedule, to_dict=schedule_data, from_dict=schedule_from_data)
     """
     if not isinstance(kind, str) or not kind:
         raise ValueError(f"a kind is a non-empty string, got {kind!r}")
-    if kind in _KINDS and _KINDS[kind] is not cls:
-        raise ValueError(f"kind {kind!r} is already {_KINDS[kind].__qualname__}'s")
-    _KINDS[kind] = cls
+    if kind in _KINDS and _KINDS[kind][0] is not cls:
+        raise ValueError(f"kind {kind!r} is already {_KINDS[kind][0].__qualname__}'s")
+    _KINDS[kind] = (cls, to_dict or cls.to_dict, from_dict or cls.from_dict)
 
 
 def to_dict(obj: Any) -> dict:
@@ -54,11 +62,11 @@ def to_dict(obj: Any) -> dict:
         >>> amp.config.to_dict(amp.Policy.for_device("cpu"))["kind"]
         'policy'
     """
-    for cls in _KINDS.values():
+    for cls, write, _ in _KINDS.values():
         if isinstance(obj, cls):
-            return obj.to_dict()
+            return write(obj)
     raise TypeError(f"cannot write a {type(obj).__name__}: the kinds a file holds are "
-                    f"{ {k: c.__name__ for k, c in _KINDS.items()} }")
+                    f"{ {k: c[0].__name__ for k, c in _KINDS.items()} }")
 
 
 def from_dict(data: Mapping) -> Any:
@@ -77,10 +85,10 @@ def from_dict(data: Mapping) -> Any:
         raise ConfigError(f"kind: missing; a configuration says what it holds: kind = one of {sorted(_KINDS)}",
                           key="kind")
     kind = data["kind"]
-    cls = _KINDS.get(kind) if isinstance(kind, str) else None
-    if cls is None:
+    codec = _KINDS.get(kind) if isinstance(kind, str) else None
+    if codec is None:
         raise ConfigError(f"kind = {kind!r}: unknown kind; known kinds: {sorted(_KINDS)}", key="kind", value=kind)
-    return cls.from_dict(data)
+    return codec[2](data)
 
 
 def _format_of(path: pathlib.Path, fmt: str | None) -> str:
@@ -144,8 +152,8 @@ def loads(text: str, fmt: str = "toml", *, source: str = "<text>") -> Any:
 
 
 def dump(obj: Any, path: str | os.PathLike, fmt: str | None = None) -> pathlib.Path:
-    """Writes ``obj`` (a ``Policy``, or an object of a registered kind) to ``path``, as TOML
-    or JSON by its suffix (``fmt`` overrides). Returns the path.
+    """Writes ``obj`` (a ``Policy``, a ``PrecisionPlan``, or an object of a registered
+    kind) to ``path``, as TOML or JSON by its suffix (``fmt`` overrides). Returns the path.
 
     Example::
 
