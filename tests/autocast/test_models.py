@@ -10,16 +10,12 @@ The same cases also run under the CUDA policy on CPU tensors; there is no native
 reference for that on a CPU-only machine, so those checks are: forward and backward run,
 gradients are finite and have their parameter's dtype.
 
-The models live in ``benchmarks/models.py`` (shared with the benchmark), loaded from its
-file path so the benchmarks folder need not be a package.
+The models live in ``benchmarks/models.py`` (shared with the benchmark).
 """
 
 from __future__ import annotations
 
 import copy
-import importlib.util
-import pathlib
-import sys
 
 import pytest
 import torch
@@ -30,15 +26,7 @@ from torch import nn
 
 import dispatch_amp
 
-_MODELS_PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "models.py"
-_spec = importlib.util.spec_from_file_location("_dispatch_amp_bench_models", _MODELS_PATH)
-# One module object per session, shared with the other tests that load it under this
-# name: a second one would make their pickled models' classes differ from the module's.
-M = sys.modules.get(_spec.name)
-if M is None:
-    M = importlib.util.module_from_spec(_spec)
-    sys.modules[_spec.name] = M  # dataclasses look their module up in sys.modules
-    _spec.loader.exec_module(M)
+from benchmarks import models as M
 
 BF16 = torch.bfloat16
 

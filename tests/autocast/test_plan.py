@@ -12,11 +12,8 @@ import contextlib
 import copy
 import datetime
 import fnmatch
-import importlib.util
 import inspect
-import pathlib
 import pickle
-import sys
 import warnings
 
 import pytest
@@ -29,13 +26,7 @@ from hypothesis import strategies as st
 import dispatch_amp as amp
 from dispatch_amp.autocast.plan import PrecisionPlan, _Pattern
 
-_MODELS_PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "models.py"
-_spec = importlib.util.spec_from_file_location("_dispatch_amp_bench_models", _MODELS_PATH)
-M = sys.modules.get(_spec.name)
-if M is None:
-    M = importlib.util.module_from_spec(_spec)
-    sys.modules[_spec.name] = M
-    _spec.loader.exec_module(M)
+from benchmarks import models as M
 
 BF16 = torch.bfloat16
 CFG = M.GPTConfig(vocab=64, d_model=32, n_heads=2, n_blocks=4, max_len=16)

@@ -4,10 +4,7 @@ the line), and a loaded plan that runs a model to the same bits as the plan it w
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
-import pathlib
-import sys
 import tomllib
 
 import pytest
@@ -19,13 +16,7 @@ from dispatch_amp import Policy, PrecisionPlan
 from dispatch_amp.config import ConfigError
 from dispatch_amp.config.plan_file import plan_from_dict, plan_to_dict
 
-_MODELS_PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "models.py"
-_spec = importlib.util.spec_from_file_location("_dispatch_amp_bench_models", _MODELS_PATH)
-M = sys.modules.get(_spec.name)
-if M is None:
-    M = importlib.util.module_from_spec(_spec)
-    sys.modules[_spec.name] = M
-    _spec.loader.exec_module(M)
+from benchmarks import models as M
 
 CFG = M.GPTConfig(vocab=64, d_model=32, n_heads=2, n_blocks=4, max_len=16)
 MINE = Policy.for_device("cpu").with_ops(fp32=["bmm"], name="bmm in fp32")

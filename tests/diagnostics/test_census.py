@@ -72,17 +72,8 @@ def test_reentering_an_active_census_is_an_error():
 
 # -- per module ------------------------------------------------------------------------------
 def _gpt_models():
-    import importlib.util
-    import pathlib
-    import sys
+    from benchmarks import models
 
-    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "models.py"
-    spec = importlib.util.spec_from_file_location("_dispatch_amp_bench_models", path)
-    models = sys.modules.get(spec.name)
-    if models is None:
-        models = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = models
-        spec.loader.exec_module(models)
     return models
 
 
