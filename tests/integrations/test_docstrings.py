@@ -53,6 +53,6 @@ def test_public_names_have_an_example(name):
 def test_every_framework_module_names_its_framework():
     # A new integration module must say which framework it imports, or a missing framework
     # would fail here instead of skipping for users without the extra.
-    assert set(MODULES.values()) - {"_modes", "_half", "_precision_flags", "_fp8_state", "_policy_state", "timm_scaler",
+    assert set(MODULES.values()) - {"_modes", "_half", "_precision_flags", "_fp8_state", "_plan_state", "_policy_state", "timm_scaler",
                                   "metrics"} <= set(NEEDS)
     assert os.path.basename(dispatch_amp.integrations.__file__) == "__init__.py"

@@ -27,12 +27,14 @@ def _ours(precision):
     return MixedPrecision(precision, "cpu", scaler_options=INIT if precision == "16-mixed" else None)
 
 
-def _setup(plugin):
+def _setup(plugin, plan=None):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*(GPU available|bfloat16).*")
         fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    if plan is not None:
+        plan.bind(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model, optimizer = fabric.setup(model, optimizer)
     return fabric, model, optimizer
@@ -90,6 +92,30 @@ def test_resume_continues_bit_identically_with_the_scale_kept(tmp_path, same, so
     assert tail[2] == straight[2][3:]
     assert same(tail[0], straight[0][3:]) and same(tail[1], straight[1][3:])
     assert same(list(tail_model.parameters()), list(model.parameters()))
+
+
+def test_a_precision_plan_rides_in_the_model_state_and_a_resume_runs_it(tmp_path, same):
+    # The last linear in float32 by a plan; fabric.save files it in the model's state dict,
+    # and fabric.load into a model with no plan bound binds it (warning), so the resumed
+    # steps match the uninterrupted run's.
+    from dispatch_amp.autocast.plan import bound_plan
+
+    def plan():
+        return amp.PrecisionPlan({"2": torch.float32})
+
+    fabric, model, opt = _setup(_ours("bf16-mixed"), plan())
+    straight = _train(fabric, model, opt, 5)
+    fabric, head_model, head_opt = _setup(_ours("bf16-mixed"), plan())
+    _train(fabric, head_model, head_opt, 2)
+    fabric.save(tmp_path / "ckpt.pt", {"model": head_model, "optimizer": head_opt})
+    assert "dispatch_amp_plan" in torch.load(tmp_path / "ckpt.pt", weights_only=True)["model"]
+
+    fabric, tail_model, tail_opt = _setup(_ours("bf16-mixed"))
+    with pytest.warns(amp.AmpNumericsWarning, match="no plan is bound.*resumes with the checkpoint's"):
+        fabric.load(tmp_path / "ckpt.pt", {"model": tail_model, "optimizer": tail_opt})
+    assert bound_plan(tail_model.module) is not None
+    tail = _train(fabric, tail_model, tail_opt, 5, start=2)
+    assert same(tail[0], straight[0][2:]) and same(list(tail_model.parameters()), list(model.parameters()))
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])

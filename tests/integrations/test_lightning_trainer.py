@@ -55,8 +55,10 @@ class Tiny(pl.LightningModule):
         return torch.utils.data.DataLoader(data, batch_size=4)
 
 
-def _fit(plugin, steps: int, inf_step=INF_STEP, ckpt_path=None, **trainer_kwargs) -> tuple[Tiny, pl.Trainer]:
+def _fit(plugin, steps: int, inf_step=INF_STEP, ckpt_path=None, plan=None, **trainer_kwargs) -> tuple[Tiny, pl.Trainer]:
     model = Tiny(inf_step)
+    if plan is not None:
+        plan.bind(model)
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_steps=steps, plugins=[plugin], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -575,6 +577,33 @@ def test_a_resume_runs_the_policy_the_checkpoint_was_trained_with(tmp_path, same
         tail, _ = _fit(plugin, 5, inf_step=None, ckpt_path=path)
     assert plugin.policy == policy
     assert same(tail.losses, straight.losses[2:]) and same(list(tail.parameters()), list(straight.parameters()))
+
+
+def test_a_resume_runs_the_precision_plan_the_checkpoint_was_trained_with(tmp_path, same):
+    # Trained with the last linear in float32 by a plan; resumed with no plan bound: the
+    # checkpoint's plan is bound (with a warning), so the resumed steps match the
+    # uninterrupted run's, which they would not in bfloat16.
+    from dispatch_amp.autocast.plan import bound_plan
+
+    def plan():
+        return amp.PrecisionPlan({"net.2": torch.float32})
+
+    def ours():
+        return MixedPrecision("bf16-mixed", "cpu")
+
+    straight, _ = _fit(ours(), 5, inf_step=None, plan=plan())
+    head, trainer = _fit(ours(), 2, inf_step=None, plan=plan())
+    path = tmp_path / "head.ckpt"
+    trainer.save_checkpoint(path)
+    saved = torch.load(path, weights_only=True)
+    assert saved["dispatch_amp_plan"]["plan"]["modules"] == [{"pattern": "net.2", "setting": "float32"}]
+
+    with pytest.warns(amp.AmpNumericsWarning, match="no plan is bound.*resumes with the checkpoint's"):
+        tail, _ = _fit(ours(), 5, inf_step=None, ckpt_path=path)
+    assert bound_plan(tail) is not None
+    assert same(tail.losses, straight.losses[2:]) and same(list(tail.parameters()), list(straight.parameters()))
+    unplanned, _ = _fit(ours(), 5, inf_step=None)
+    assert not same(unplanned.losses, straight.losses), "the plan changes the numbers (else this proves nothing)"
 
 
 def test_a_bad_policy_in_a_checkpoint_fails_and_changes_nothing():

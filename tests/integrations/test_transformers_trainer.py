@@ -102,7 +102,7 @@ def _dataset():
     return [{"input_ids": row, "labels": row} for row in ids]
 
 
-def _run(cls, tmp_path, precision, steps=6, resume=None, name="run", inf_step=INF_STEP):
+def _run(cls, tmp_path, precision, steps=6, resume=None, name="run", inf_step=INF_STEP, plan=None):
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / name), use_cpu=True, max_steps=steps,
         per_device_train_batch_size=2, learning_rate=1e-3, seed=0, report_to=[],
@@ -110,7 +110,10 @@ def _run(cls, tmp_path, precision, steps=6, resume=None, name="run", inf_step=IN
         **{precision: True},
     )
     extra = {"amp_scaler_options": INIT} if issubclass(cls, AmpTrainerMixin) and precision == "fp16" else {}
-    trainer = cls(model=_model(), args=args, train_dataset=_dataset(), **extra)
+    model = _model()
+    if plan is not None:
+        plan.bind(model)
+    trainer = cls(model=model, args=args, train_dataset=_dataset(), **extra)
     trainer.inf_step = inf_step
     # What the autocast made of one matmul inside the model, per forward.
     trainer.inner_dtypes = set()
@@ -336,6 +339,24 @@ def test_a_resume_runs_the_policy_the_checkpoint_was_trained_with(tmp_path, same
     with pytest.warns(amp.AmpNumericsWarning, match="'gemms in fp32' differs.*resumes with the checkpoint's"):
         tail = _run(PolicyTrainer, tmp_path, "bf16", resume=str(checkpoint), name="tail", inf_step=None)
     assert tail.accelerator.dispatch_amp.policy == policy and tail.inner_dtypes == {torch.float32}
+    assert same(tail.losses, whole.losses[3:]) and same(list(tail.model.parameters()), list(whole.model.parameters()))
+
+
+def test_a_resume_runs_the_precision_plan_the_checkpoint_was_trained_with(tmp_path, same):
+    # The first block's MLP in float32 by a plan; the resumed Trainer's model has no plan
+    # bound: the checkpoint's is bound (warning), and the run continues as the whole one did.
+    from dispatch_amp.autocast.plan import bound_plan
+
+    whole = _run(OurTrainer, tmp_path, "bf16", name="whole", inf_step=None,
+                 plan=amp.PrecisionPlan({"transformer.h.0.mlp": torch.float32}))
+    assert whole.inner_dtypes == {torch.float32}
+    checkpoint = tmp_path / "whole" / "checkpoint-3"
+    assert (checkpoint / "dispatch_amp_plan.pt").is_file()
+
+    AcceleratorState._reset_state(True)
+    with pytest.warns(amp.AmpNumericsWarning, match="no plan is bound.*resumes with the checkpoint's"):
+        tail = _run(OurTrainer, tmp_path, "bf16", resume=str(checkpoint), name="tail", inf_step=None)
+    assert bound_plan(tail.model) is not None and tail.inner_dtypes == {torch.float32}
     assert same(tail.losses, whole.losses[3:]) and same(list(tail.model.parameters()), list(whole.model.parameters()))
 
 

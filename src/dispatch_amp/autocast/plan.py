@@ -40,7 +40,7 @@ from ..fp8.recipes import Recipe
 from .context import autocast, device_dtypes
 from .policy import Policy
 
-__all__ = ["PrecisionPlan", "PlanEntry", "NO_FP8"]
+__all__ = ["PrecisionPlan", "PlanEntry", "NO_FP8", "bound_plan"]
 
 #: The setting "this module runs in the enclosing region's dtype, without fp8".
 NO_FP8 = "no_fp8"
@@ -341,9 +341,16 @@ class _PlannedForward:
     module rebinds the forward to the copy and keeps the region.
     """
 
-    def __init__(self, region: _Region, forward):
+    def __init__(self, region: _Region, forward, plan: PrecisionPlan | None = None):
         self.region = region
         self.__wrapped__ = forward
+        # The plan that set it, for ``bound_plan`` (held here: a plan bound and dropped,
+        # ``PrecisionPlan(...).bind(model)``, still describes the model). Copies and pickles
+        # drop it: a copy of a planned module is bound by no plan that could unbind it.
+        self.plan = plan
+
+    def __getstate__(self):
+        return {**self.__dict__, "plan": None}
 
     def __call__(self, *args, **kwargs):
         return self.region.run(self.__wrapped__, args, kwargs)
@@ -597,7 +604,7 @@ class PrecisionPlan:
                 )
             to_wrap.append((name, module, setting))
         # Everything that can fail comes before the first module changes.
-        wrappers = [(module, _PlannedForward(_Region(setting, device_type, self.cache_enabled), module.forward))
+        wrappers = [(module, _PlannedForward(_Region(setting, device_type, self.cache_enabled), module.forward, self))
                     for _, module, setting in to_wrap]
         recipes = []
         for _, _, setting in to_wrap:
@@ -717,3 +724,30 @@ def _find_blocks(model: torch.nn.Module) -> str:
         tied = [n for length, n in found if length == found[0][0]]
         raise ValueError(f"several block lists of {found[0][0]} blocks: {tied}; pass blocks= one of them")
     return found[0][1]
+
+
+def bound_plan(model: torch.nn.Module) -> PrecisionPlan | None:
+    """The ``PrecisionPlan`` bound to ``model`` (``plan.bind(model)``), or None.
+
+    Where plans are bound to submodules instead, the one plan among them (several: None,
+    as no single plan describes the model).
+
+    Example::
+
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        >>> plan = PrecisionPlan({"1": torch.float32}).bind(net)
+        >>> bound_plan(net) is plan, bound_plan(torch.nn.Linear(4, 4))
+        (True, None)
+    """
+    plans: list[PrecisionPlan] = []
+    for module in model.modules():
+        wrapper = module.__dict__.get("forward")
+        plan = wrapper.plan if isinstance(wrapper, _PlannedForward) else None
+        # A deep copy of a bound module keeps the wrapper, whose plan is bound elsewhere.
+        if plan is not None and plan.model is not None and all(p is not plan for p in plans) \
+                and any(plan.model is m for m in model.modules()):
+            plans.append(plan)
+    for plan in plans:
+        if plan.model is model:
+            return plan
+    return plans[0] if len(plans) == 1 else None

@@ -17,7 +17,9 @@ Checkpoints: Fabric saves only what you put in the state, so save the plugin's s
 keys as with Fabric's plugin and loads into either. An fp8 recipe's state needs nothing:
 it rides in the state dict of the model ``fabric.setup`` gave the plugin, as the entry
 ``"_dispatch_amp_fp8_state"``, which ``fabric.load`` puts back (load such a state dict into
-a model outside Fabric with ``strict=False``, or drop that entry).
+a model outside Fabric with ``strict=False``, or drop that entry). A precision plan bound to
+that model rides the same way (entry ``"dispatch_amp_plan"``, with its fp8 recipes'
+states; ``MixedPrecision`` only), and loading it back runs that plan.
 
 :class:`HalfPrecision` does the same for ``"16-true"`` / ``"bf16-true"`` (weights in 16 bits),
 with our opt levels' options (float32 batch norms, float32 master weights and a loss
@@ -43,7 +45,7 @@ from lightning.fabric.plugins.precision import MixedPrecision as _FabricMixedPre
 from lightning.fabric.plugins.precision import Precision as _FabricPrecision
 
 from ..autocast.context import autocast
-from . import _fp8_state
+from . import _fp8_state, _plan_state
 from ._half import LevelPrecision, grads_to_masters, swap_masters_into
 from ._modes import PolicyPrecision
 from ._precision_flags import refuse_missing_device, route
@@ -86,9 +88,11 @@ class MixedPrecision(PolicyPrecision, _FabricMixedPrecision):
         return autocast(self.device, self._desired_input_dtype, policy=self.policy, fp8=self.fp8)
 
     def convert_module(self, module):
-        """Fabric's conversion; the module's state dict then carries the fp8 recipe's state."""
+        """Fabric's conversion; the module's state dict then carries the fp8 recipe's state
+        and the precision plan bound to it (with its recipes' states)."""
         module = super().convert_module(module)
         _fp8_state.carry_in_state_dict(module, self.fp8)
+        _plan_state.carry_in_state_dict(module)
         return module
 
 

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from lightning.pytorch import Callback
 from lightning.pytorch import Trainer as _LightningTrainer
 from lightning.pytorch.plugins.precision import HalfPrecision as _LightningHalfPrecision
@@ -42,7 +44,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision as _LightningMixe
 from lightning.pytorch.plugins.precision import Precision as _LightningPrecision
 
 from ..autocast.context import autocast
-from . import _fp8_state, _policy_state
+from . import _fp8_state, _plan_state, _policy_state
 from ._half import LevelPrecision, grads_to_masters, swap_masters_into
 from ._modes import PolicyPrecision, precision_dtype
 from ._precision_flags import as_list, refuse_missing_device, route
@@ -92,6 +94,24 @@ class MixedPrecision(PolicyPrecision, _LightningMixedPrecision):
         return autocast(self.device, precision_dtype(self.precision), cache_enabled=False, policy=self.policy,
                         fp8=self.fp8)
 
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Lightning's conversion (none for mixed precision); the plugin remembers the model,
+        weakly, to file the precision plan bound to it in checkpoints.
+
+        Example::
+
+            >>> plugin = MixedPrecision("bf16-mixed", "cpu"); net = torch.nn.Linear(2, 2)
+            >>> plugin.convert_module(net) is net
+            True
+        """
+        module = super().convert_module(module)
+        self._model_ref = _plan_state.ModelRef(module)
+        return module
+
+    def _converted(self) -> torch.nn.Module | None:
+        ref = getattr(self, "_model_ref", None)
+        return None if ref is None else ref()
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Moves the scaler state from this class's name to the stock plugin's.
 
@@ -102,8 +122,9 @@ class MixedPrecision(PolicyPrecision, _LightningMixedPrecision):
             >>> ckpt["MixedPrecision"], ckpt["dispatch_amp_policy"]["name"]
             ({'scale': 8.0}, 'cpu')
 
-        The policy in force is filed too (key ``"dispatch_amp_policy"``), so a resume runs
-        the same numerics (``on_load_checkpoint``).
+        The policy in force is filed too (key ``"dispatch_amp_policy"``), and the precision
+        plan bound to the model with its fp8 recipes' states (key ``"dispatch_amp_plan"``), so
+        a resume runs the same numerics (``on_load_checkpoint``).
         """
         super().on_save_checkpoint(checkpoint)
         own = type(self).__qualname__
@@ -111,6 +132,7 @@ class MixedPrecision(PolicyPrecision, _LightningMixedPrecision):
             checkpoint[STOCK_CHECKPOINT_KEY] = checkpoint.pop(own)
         _fp8_state.save_into(checkpoint, self.fp8)
         _policy_state.save_into(checkpoint, self.policy, self.device)
+        _plan_state.save_into(checkpoint, self._converted())
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Loads the scaler state filed under the stock plugin's name (Lightning reads only ours).
@@ -125,6 +147,8 @@ class MixedPrecision(PolicyPrecision, _LightningMixedPrecision):
         """
         # Read first: a policy entry that does not validate raises before anything is loaded.
         policy = _policy_state.load_from(checkpoint, self.policy, self.device)
+        # A filed precision plan replaces the bound one only once it validated against the model.
+        _plan_state.load_from(checkpoint, self._converted())
         super().on_load_checkpoint(checkpoint)
         own = type(self).__qualname__
         if own != STOCK_CHECKPOINT_KEY and own not in checkpoint and STOCK_CHECKPOINT_KEY in checkpoint:

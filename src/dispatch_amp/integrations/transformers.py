@@ -30,7 +30,9 @@ resumes model, optimizer, scheduler and RNG state without the scale (in float32,
 trains with ``fp16=True`` on CPU). Ours reads either file. An fp8 recipe's state goes to
 ``dispatch_amp_fp8.pt`` beside them, and a resume loads it. The autocast policy in force
 goes to ``dispatch_amp_policy.json`` (a policy file, ``dispatch_amp.config``), and a
-resume runs it (warning where it differs from the Trainer's ``amp_policy``).
+resume runs it (warning where it differs from the Trainer's ``amp_policy``). A precision
+plan bound to the model goes to ``dispatch_amp_plan.pt`` with its fp8 recipes' states, and a
+resume runs that plan (warning where it differs from the one bound).
 
 Importing this module imports ``transformers`` and ``accelerate``.
 """
@@ -49,7 +51,7 @@ from transformers.utils import check_torch_load_is_safe
 
 from ..autocast.policy import Policy
 from ..fp8.recipes import Recipe
-from . import _fp8_state, _policy_state
+from . import _fp8_state, _plan_state, _policy_state
 from .accelerate import install_amp
 from .metrics import amp_metrics
 
@@ -167,6 +169,9 @@ class AmpTrainerMixin:
             torch.save(scaler.state_dict(), os.path.join(output_dir, AMP_SCALER_NAME))
         if self.amp_fp8 is not None and self.args.should_save:
             torch.save(self.amp_fp8.state_dict(), os.path.join(output_dir, _fp8_state.FILE_NAME))
+        if self.args.should_save:
+            # The precision plan bound to the model, with its fp8 recipes' states.
+            _plan_state.save_file(output_dir, self.model)
         hooks = getattr(self.accelerator, "dispatch_amp", None)
         if hooks is not None and self.args.should_save:
             # The policy in force, so that a resume runs the same numerics (a readable file).
@@ -184,6 +189,9 @@ class AmpTrainerMixin:
         hooks.policy = policy
 
     def _load_amp_state(self, checkpoint: str | None) -> None:
+        if checkpoint is not None:
+            # A filed precision plan replaces the bound one only once it validated against the model.
+            _plan_state.load_file(checkpoint, self.model)
         fp8_path = os.path.join(checkpoint, _fp8_state.FILE_NAME) if checkpoint is not None else None
         if self.amp_fp8 is not None and fp8_path is not None and os.path.isfile(fp8_path):
             check_torch_load_is_safe()
