@@ -92,11 +92,50 @@ def test_per_module_view_counts_each_forward_own_ops():
     assert (rows["0"].casts, rows["0"].cast_bytes) == (3, 2 * (5 * 8 + 16 * 8 + 16))
     assert (rows["2"].casts, rows["2"].cast_bytes) == (2, 2 * (4 * 16 + 4))
     assert not any(m.fp8 for m in rows.values())
-    # The backward ran outside every forward.
-    assert rows[amp.diagnostics.census.NO_MODULE].flops
+    # Each module's backward is its own: linear 2's input and weight gradients, linear 0's
+    # weight gradient only (x needs none), each gradient cast back to float32 there; the
+    # loss's backward outside every module.
+    assert rows["2"].backward_flops == {torch.bfloat16: 2 * (2 * 5 * 16 * 4)}
+    assert rows["0"].backward_flops == {torch.bfloat16: 2 * 5 * 8 * 16}
+    assert rows["0"].backward_cast_bytes == 4 * (16 * 8 + 16) and rows["2"].backward_cast_bytes == 4 * (4 * 16 + 4)
+    assert not rows["<root>"].backward_calls and not rows["1"].backward_flops and rows["1"].backward_calls
+    no_module = rows[amp.diagnostics.census.NO_MODULE]
+    assert not no_module.flops and not no_module.backward_flops and no_module.backward_calls
     # The totals are the per-op view's.
-    assert sum(m.cast_bytes for m in rows.values()) == census.cast_bytes
+    assert sum(m.cast_bytes + m.backward_cast_bytes for m in rows.values()) == census.cast_bytes
+    assert sum(sum(m.flops.values()) + sum(m.backward_flops.values()) for m in rows.values()) \
+        == sum(census.flops_by_dtype().values())
+    assert sum(sum(m.calls.values()) + sum(m.backward_calls.values()) for m in rows.values()) == census.calls
     assert census.as_dict()["modules"][1]["module"] == "0"
+    assert census.as_dict()["modules"][1]["backward_flops"] == {"torch.bfloat16": 2 * 5 * 8 * 16}
+
+
+def test_a_backward_with_nested_modules_and_recomputation_is_filed_under_the_innermost():
+    # A block (a Sequential inside the model) whose last child shares its output: the
+    # child's backward is the child's. Activation checkpointing recomputes a forward inside
+    # the backward: those ops are that forward's again (they ran twice).
+    torch.manual_seed(0)
+    inner = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    model = torch.nn.Sequential(inner, torch.nn.Linear(8, 4))
+    x = torch.randn(3, 8, requires_grad=True)
+    for checkpointed in (False, True):
+        with PrecisionCensus(model=model) as census:
+            with amp.autocast("cpu"):
+                h = (torch.utils.checkpoint.checkpoint(inner, x, use_reentrant=False) if checkpointed
+                     else inner(x))
+                out = model[1](h)
+            out.float().sum().backward()
+        rows = census.by_module()
+        mm = 2 * 3 * 8 * 8
+        assert rows["0.1"].backward_flops == {torch.bfloat16: 2 * mm}, checkpointed
+        assert rows["0.0"].backward_flops == {torch.bfloat16: 2 * mm}, "x needs a gradient: both gemms"
+        assert not rows["0"].backward_flops
+        assert rows["1"].backward_flops == {torch.bfloat16: 2 * (2 * 3 * 8 * 4)}
+        # (torch's checkpoint recomputes only up to the last tensor the backward needs: the
+        # first linear's forward.)
+        assert rows["0.0"].flops == {torch.bfloat16: mm * (2 if checkpointed else 1)}
+    # The census leaves no hook behind, on the modules or on the tensors.
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
 
 def test_a_census_of_a_planned_model_shows_the_plan(tmp_path):
@@ -120,7 +159,8 @@ def test_a_census_of_a_planned_model_shows_the_plan(tmp_path):
         assert rows[f"blocks.{i}.fc"].fp8 and rows[f"blocks.{i}.proj"].fp8
         assert rows[f"blocks.{i}.attn"].fp8  # the in-projection's linear
     table = census.module_table()
-    assert table.splitlines()[0] == "| module | compute dtype | calls | FLOPs by dtype | casts | cast bytes | fp8 gemms |"
+    assert table.splitlines()[0] == ("| module | compute dtype | calls | FLOPs by dtype | casts | cast bytes | fp8 gemms "
+                                     "| backward calls | backward FLOPs by dtype | backward cast bytes |")
     assert "| head | float32 |" in table
     path = tmp_path / "modules.csv"
     census.module_csv(path)
@@ -129,6 +169,9 @@ def test_a_census_of_a_planned_model_shows_the_plan(tmp_path):
     by_name = {r["module"]: r for r in read}
     assert by_name["head"]["compute dtype"] == "float32" and by_name["blocks.1.fc"]["fp8 gemms"] == "1"
     assert by_name["blocks.1.fc"]["FLOPs by dtype"].startswith("float8_e4m3fn:")
+    # The fp8 middle's backward gemms ran in fp8 too (e5m2 output gradients), the head's in float32.
+    assert "float8_e5m2:" in by_name["blocks.1.fc"]["backward FLOPs by dtype"]
+    assert set(rows["head"].backward_flops) == {torch.float32}
 
     # The same model with the middle in bfloat16: the middle blocks' linears in bfloat16.
     torch.manual_seed(0)

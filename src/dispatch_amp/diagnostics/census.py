@@ -14,7 +14,7 @@ bytes written by dtype casts. It answers "does my model really run in 16 bits?":
 
 Given the model (``PrecisionCensus(model=model)``), it also counts per module: the ops each
 module's forward ran itself (not those of its submodules), by dtype, the casts they made,
-and whether fp8 gemms ran there; ``module_table()`` prints it, ``module_csv(path)`` writes
+whether fp8 gemms ran there, and what its backward ran; ``module_table()`` prints it, ``module_csv(path)`` writes
 it. That is how to check that a ``PrecisionPlan`` took effect::
 
     with amp.PrecisionCensus(model=model) as census, amp.autocast("cpu"):
@@ -45,11 +45,12 @@ from ..fp8._rules import ALL_FP8_DTYPES as _FP8_DTYPES
 
 __all__ = ["PrecisionCensus", "OpCount", "ModuleCount", "NO_MODULE"]
 
-#: The module name ops run outside every module's forward are counted under (the loss,
-#: the backward, the optimizer).
+#: The module name ops run outside every module's forward and backward are counted under
+#: (the loss and its backward, the optimizer).
 NO_MODULE = "(no module)"
 
 _CAST_OPS = {torch.ops.aten._to_copy.default}
+_graph_task_id = torch._C._current_graph_task_id
 
 
 @dataclass
@@ -64,7 +65,9 @@ class OpCount:
 @dataclass
 class ModuleCount:
     """What one module's forward ran itself (its submodules' ops are theirs): calls and
-    FLOPs per compute dtype, the dtype casts it made and their bytes, its fp8 gemms.
+    FLOPs per compute dtype, the dtype casts it made and their bytes, its fp8 gemms; and
+    the calls, FLOPs and cast bytes of its backward (``backward_calls``,
+    ``backward_flops``, ``backward_cast_bytes``).
 
     Example::
 
@@ -78,6 +81,12 @@ class ModuleCount:
     casts: int = 0
     cast_bytes: int = 0
     fp8_gemms: int = 0
+    #: The backward of its forward: calls and FLOPs per compute dtype (the gradient
+    #: gemms of its own linears, say), counted apart from the forward's.
+    backward_calls: dict = field(default_factory=dict)
+    backward_flops: dict = field(default_factory=dict)
+    #: Bytes its backward's casts wrote (gradients cast back to their weight's dtype).
+    backward_cast_bytes: int = 0
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
@@ -91,6 +100,11 @@ class ModuleCount:
     def fp8(self) -> bool:
         """Whether an fp8 gemm ran in it."""
         return self.fp8_gemms > 0
+
+
+def _inside(name: str, parent: str) -> bool:
+    """Whether module ``name`` lies inside module ``parent`` (names as the census gives them)."""
+    return name != parent and (parent == "<root>" or name.startswith(parent + "."))
 
 
 def _dtype_name(dtype) -> str:
@@ -124,13 +138,15 @@ def _human_bytes(n: float) -> str:
 
 
 class _CensusMode(TorchDispatchMode):
-    def __init__(self, counts, modules=None, stack=None):
+    def __init__(self, counts, modules=None, stack=None, backward_stack=None):
         super().__init__()
         self.counts = counts
         # Per module (None: no model given): name -> ModuleCount; the names of the
-        # forwards running, innermost last.
+        # forwards running, innermost last; the names of the modules whose backward is
+        # running, innermost last.
         self.modules = modules
         self.stack = stack
+        self.backward_stack = backward_stack
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -148,16 +164,25 @@ class _CensusMode(TorchDispatchMode):
             cast_bytes = out.numel() * out.element_size()
             entry.cast_bytes += cast_bytes
         if self.modules is not None:
-            name = self.stack[-1] if self.stack else NO_MODULE
+            # A forward running (also one recomputed by activation checkpointing inside a
+            # backward) owns the op; else, inside a backward, the module whose backward runs.
+            backward = not self.stack and _graph_task_id() != -1
+            if self.stack:
+                name = self.stack[-1]
+            else:
+                name = self.backward_stack[-1] if backward and self.backward_stack else NO_MODULE
             m = self.modules.get(name)
             if m is None:
                 m = self.modules[name] = ModuleCount()
-            m.calls[dtype] = m.calls.get(dtype, 0) + 1
+            calls_of, flops_of = (m.backward_calls, m.backward_flops) if backward else (m.calls, m.flops)
+            calls_of[dtype] = calls_of.get(dtype, 0) + 1
             if flops:
-                m.flops[dtype] = m.flops.get(dtype, 0) + flops
-                if dtype in _FP8_DTYPES:
+                flops_of[dtype] = flops_of.get(dtype, 0) + flops
+                if dtype in _FP8_DTYPES and not backward:  # the backward's show in its FLOPs by dtype
                     m.fp8_gemms += 1
-            if cast:
+            if cast and backward:
+                m.backward_cast_bytes += cast_bytes
+            elif cast:
                 m.casts += 1
                 m.cast_bytes += cast_bytes
         return out
@@ -188,6 +213,8 @@ class PrecisionCensus:
         # Module name -> ModuleCount, in the order the modules first ran.
         self.modules: dict[str, ModuleCount] = {}
         self._stack: list[str] = []
+        self._backward_stack: list[str] = []
+        self._clear_queued = False
         self._hooks: list = []
 
     def __enter__(self) -> PrecisionCensus:
@@ -195,7 +222,8 @@ class PrecisionCensus:
             raise RuntimeError("this PrecisionCensus is already active; use a new one to nest")
         if self.model is not None:
             self._watch(self.model)
-        self._mode = _CensusMode(self.counts, self.modules if self.model is not None else None, self._stack)
+        self._mode = _CensusMode(self.counts, self.modules if self.model is not None else None, self._stack,
+                                 self._backward_stack)
         try:
             self._mode.__enter__()
         except BaseException:
@@ -213,8 +241,11 @@ class PrecisionCensus:
 
     def _watch(self, model: torch.nn.Module) -> None:
         """Hooks on every module's forward: its name is the innermost while it runs (the
-        post hook runs also when the forward raises)."""
-        stack, modules = self._stack, self.modules
+        post hook runs also when the forward raises). And on its backward, as torch's
+        ``ModuleTracker`` finds it: the module's backward starts when the gradients of all
+        its outputs are ready and ends when those of its inputs are (a module whose inputs
+        need no gradient, the first layer, ends with the backward itself)."""
+        stack, modules, grad_hooks = self._stack, self.modules, self._grad_hooks
         for name, module in model.named_modules():
             label = name or "<root>"
 
@@ -222,19 +253,60 @@ class PrecisionCensus:
                 stack.append(label)
                 if label not in modules:  # listed in the order modules first run
                     modules[label] = ModuleCount()
+                grad_hooks(args, self._backward_leaves(label))
 
             def leave(module, args, output, label=label):
                 if stack and stack[-1] == label:
                     stack.pop()
+                grad_hooks(output, self._backward_enters(label))
 
             self._hooks.append(module.register_forward_pre_hook(enter))
             self._hooks.append(module.register_forward_hook(leave, always_call=True))
+
+    def _grad_hooks(self, value, fn) -> None:
+        if not torch.is_grad_enabled():
+            return
+        tensors = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            self._hooks.append(torch.autograd.graph.register_multi_grad_hook(tensors, fn))
+
+    def _backward_enters(self, label: str):
+        def fn(grads) -> None:
+            if self._mode is None:
+                return
+            if not self._clear_queued:
+                # Modules whose backward never ends by a hook (inputs without gradients)
+                # leave when the backward does.
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+                self._clear_queued = True
+            # A module and its last child share an output, whose hooks run in the order
+            # they were made: the child's first. The parent goes below its descendants.
+            stack = self._backward_stack
+            at = len(stack)
+            while at and _inside(stack[at - 1], label):
+                at -= 1
+            stack.insert(at, label)
+        return fn
+
+    def _backward_leaves(self, label: str):
+        def fn(grads) -> None:
+            stack = self._backward_stack
+            for i in range(len(stack) - 1, -1, -1):
+                if stack[i] == label:
+                    del stack[i]
+                    break
+        return fn
+
+    def _backward_done(self) -> None:
+        self._backward_stack.clear()
+        self._clear_queued = False
 
     def _unwatch(self) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
         self._stack.clear()
+        self._backward_done()
 
     # -- reading ------------------------------------------------------------------------
     def flops_by_dtype(self) -> dict[torch.dtype, int]:
@@ -308,7 +380,10 @@ class PrecisionCensus:
             out["modules"] = [
                 {"module": name, "compute_dtype": str(m.compute_dtype),
                  "calls": {str(d): c for d, c in m.calls.items()}, "flops": {str(d): f for d, f in m.flops.items()},
-                 "casts": m.casts, "cast_bytes": m.cast_bytes, "fp8_gemms": m.fp8_gemms}
+                 "casts": m.casts, "cast_bytes": m.cast_bytes, "fp8_gemms": m.fp8_gemms,
+                 "backward_calls": {str(d): c for d, c in m.backward_calls.items()},
+                 "backward_flops": {str(d): f for d, f in m.backward_flops.items()},
+                 "backward_cast_bytes": m.backward_cast_bytes}
                 for name, m in self.by_module().items()
             ]
         return out
@@ -316,8 +391,9 @@ class PrecisionCensus:
     # -- per module -------------------------------------------------------------------------
     def by_module(self) -> dict[str, ModuleCount]:
         """Module name (``"<root>"``: the model's own forward) -> what its forward ran
-        itself, for every module that ran, in the order they first ran; ops outside every forward (the loss,
-        the backward) under ``NO_MODULE``. Needs ``PrecisionCensus(model=...)``.
+        itself, and what its backward ran, for every module that ran, in the order they
+        first ran; ops outside every forward and every module's backward (the loss and its
+        backward, the optimizer) under ``NO_MODULE``. Needs ``PrecisionCensus(model=...)``.
 
         Example::
 
@@ -330,31 +406,40 @@ class PrecisionCensus:
             rows[NO_MODULE] = self.modules[NO_MODULE]
         return rows
 
-    _MODULE_HEAD = ["module", "compute dtype", "calls", "FLOPs by dtype", "casts", "cast bytes", "fp8 gemms"]
+    _MODULE_HEAD = ["module", "compute dtype", "calls", "FLOPs by dtype", "casts", "cast bytes", "fp8 gemms",
+                    "backward calls", "backward FLOPs by dtype", "backward cast bytes"]
 
     def _module_rows(self, human: bool) -> list[list]:
+        def flops_text(flops: dict) -> str:
+            if human:
+                return ", ".join(f"{_dtype_name(d)} {_human_count(f)}" for d, f in flops.items())
+            return ";".join(f"{_dtype_name(d)}:{f}" for d, f in flops.items())
+
         rows = []
         for name, m in self.by_module().items():
+            backward_calls = sum(m.backward_calls.values())
             if human:
-                flops = ", ".join(f"{_dtype_name(d)} {_human_count(f)}" for d, f in m.flops.items())
-                rows.append([name, _dtype_name(m.compute_dtype), sum(m.calls.values()), flops, m.casts,
-                             _human_bytes(m.cast_bytes) if m.cast_bytes else "", m.fp8_gemms or ""])
+                rows.append([name, _dtype_name(m.compute_dtype), sum(m.calls.values()), flops_text(m.flops), m.casts,
+                             _human_bytes(m.cast_bytes) if m.cast_bytes else "", m.fp8_gemms or "",
+                             backward_calls or "", flops_text(m.backward_flops),
+                             _human_bytes(m.backward_cast_bytes) if m.backward_cast_bytes else ""])
             else:
-                flops = ";".join(f"{_dtype_name(d)}:{f}" for d, f in m.flops.items())
-                rows.append([name, _dtype_name(m.compute_dtype), sum(m.calls.values()), flops, m.casts,
-                             m.cast_bytes, m.fp8_gemms])
+                rows.append([name, _dtype_name(m.compute_dtype), sum(m.calls.values()), flops_text(m.flops), m.casts,
+                             m.cast_bytes, m.fp8_gemms, backward_calls, flops_text(m.backward_flops),
+                             m.backward_cast_bytes])
         return rows
 
     def module_table(self) -> str:
         """The per-module view as a Markdown table: per module, the compute dtype of its
         ops (that of most of its FLOPs, else of most of its calls), its calls, FLOPs per
-        dtype, the dtype casts it made, and its fp8 gemms.
+        dtype, the dtype casts it made, its fp8 gemms, and its backward's calls, FLOPs per
+        dtype and cast bytes.
 
         Example::
 
             print(census.module_table())
         """
-        return _markdown.table(self._MODULE_HEAD, self._module_rows(human=True), align="llrlrrr")
+        return _markdown.table(self._MODULE_HEAD, self._module_rows(human=True), align="llrlrrrrlr")
 
     def module_csv(self, path_or_file) -> None:
         """Writes the per-module view as CSV (a header row, then one row per module; FLOPs
