@@ -85,29 +85,22 @@ def batch(step: int):
 
 @contextlib.contextmanager
 def kernels(on: bool):
-    """The Triton kernels for the per-tensor casts (through the interpreter on CPU)."""
+    """The Triton kernels for the per-tensor quantize (through the interpreter on CPU)."""
     if not on:
         yield
         return
-    from dispatch_amp.kernels import fp8_cast
-
-    previous = fp8_cast.BACKEND if hasattr(fp8_cast, "BACKEND") else None
-    if previous is not None:
-        fp8_cast.BACKEND = "triton"
-    else:  # the code before the backend choice moved into kernels/
-        from dispatch_amp.fp8 import _rules
-
-        previous = _rules._BACKEND
-        _rules._BACKEND = "triton"
+    try:
+        from dispatch_amp.kernels import fp8_quantize as holder
+        name = "BACKEND"
+    except ImportError:  # the code that wrote the first fixtures chose the backend in fp8/_rules.py
+        from dispatch_amp.fp8 import _rules as holder
+        name = "_BACKEND"
+    previous = getattr(holder, name)
+    setattr(holder, name, "triton")
     try:
         yield
     finally:
-        if hasattr(fp8_cast, "BACKEND"):
-            fp8_cast.BACKEND = previous
-        else:
-            from dispatch_amp.fp8 import _rules
-
-            _rules._BACKEND = previous
+        setattr(holder, name, previous)
 
 
 def new_run(cls_name: str, kwargs: dict):
