@@ -93,7 +93,8 @@ class _Fp8LinearGrad(torch.autograd.Function):
 
 
 def _rowwise(meta: Meta) -> bool:
-    return meta.recipe.state.rule.granularity == "row"
+    # Many scales along the contraction dimension: the forward saved x and w themselves.
+    return meta.recipe.state.rule.granularity != "tensor"
 
 
 def differentiable_grads(meta: Meta, dy: torch.Tensor, saved, needs):

@@ -128,14 +128,16 @@ def first_order_grads(meta, dy: torch.Tensor, saved, needs):
     need_x, need_w, need_b = needs
     dy2 = dy.reshape(-1, dy.shape[-1])
     dx = dw = db = None
-    if owner.rule.granularity == "row":
+    if owner.rule.granularity != "tensor":
+        # Scales along the contraction dimension: each gemm contracts along another one,
+        # so each operand is quantized again, from the saved input and weight.
         x2, weight = saved[0], saved[1]
         if need_x:
             dyq, dy_inv = _rows(quantize(owner, dy2, "grad_output", site, True))
             wtq, wt_inv = _rows(quantize(owner, weight.t(), "weight", None, False))
             dx = mm(dyq, wtq, dy_inv, wt_inv.t(), meta.x_dtype)
         if need_w:
-            if recipe.weight_grad_high_precision:
+            if getattr(recipe, "weight_grad_high_precision", False):
                 low = meta.out_dtype
                 dw = torch.mm(dy2.t().to(low), x2.to(low)).to(meta.weight_dtype)
             else:
@@ -161,7 +163,7 @@ def first_order_grads(meta, dy: torch.Tensor, saved, needs):
 
 
 def _rows(quantized):
-    # A row-wise quantize's (q, None, 1 / scales, None), for the gemm: (q, 1 / scales).
+    # A quantize along K's (q, None, 1 / scales, None), for the gemm: (q, 1 / scales).
     q, _, inv, _ = quantized
     return q, inv
 

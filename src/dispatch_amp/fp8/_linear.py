@@ -62,7 +62,7 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, xq, xq_t, x_sc, wq, wq_t, w_sc, bias_lo, recipe: Recipe, site,
                 out_dtype: torch.dtype):
-        rowwise = recipe.state.rule.granularity == "row"
+        rowwise = recipe.state.rule.granularity != "tensor"  # scales along K: re-quantized per gemm
         with _native_off(x.device.type):
             if rowwise:
                 y = mm(xq, wq, x_sc, w_sc.t(), out_dtype, bias_lo)

@@ -142,7 +142,8 @@ def quantize(owner, t2: torch.Tensor, role: str, site, record: bool, scale: torc
     """``(q, q_t, sc, db)`` of a 2-D operand of ``role`` under ``owner`` (an ``Fp8State``):
     the layouts asked for (else None), its scales and the bias gradient of ``t2`` when
     ``dbias``. ``sc`` is ``[scale, 1 / scale]`` with one scale per tensor, and the
-    inverse scales ``(rows, 1)`` with one per row (no ``q_t``, ``db``). ``scale``: one
+    inverse scales (``(rows, 1)`` for one per row) for a rule with many scales along the
+    contraction dimension (no ``q_t``, ``db``). ``scale``: one
     fixed elsewhere (a replay), else the rule's choice. Records the call on ``site`` when
     ``record``; ``snapshot`` (a list) receives what recording took.
 
@@ -154,9 +155,9 @@ def quantize(owner, t2: torch.Tensor, role: str, site, record: bool, scale: torc
     recording = record and state is not None
     fmt = rule.dtype(role)
     how = rule.record_rule(role) if recording else None
-    if rule.granularity == "row":
-        q, inv = _kernels.quantize_rows(t2, fmt, power_of_two=rule.power_of_two, state=state if recording else None,
-                                        record=how)
+    if rule.granularity != "tensor":  # many scales along the contraction dimension
+        q, inv = _kernels.quantize_along_k(t2, fmt, rule.choose(state, role), state=state if recording else None,
+                                           record=how)
         out = q, None, inv, None
     else:
         choice = rule.given(scale) if scale is not None else rule.choose(state, role)

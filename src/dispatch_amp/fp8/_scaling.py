@@ -16,7 +16,17 @@ reports, the cross-rank reduction) is ``_state.Fp8State``; the arithmetic is
 torch or Triton). A new recipe adds a rule here and a description in ``recipes.py``.
 
 ``granularity`` tells the quantizer and the gemms which scales a rule's operands carry:
-``"tensor"`` (one 0-d scale) or ``"row"`` (one per row along the contraction dimension).
+``"tensor"`` (one 0-d scale: the forward makes the backward's transposed fp8 copies, the
+weight's copy is cached) or anything else, many scales along the contraction dimension
+(``"row"``: one per row). Those are quantized again for each gemm from the saved input and
+weight, through ``kernels.fp8_quantize.quantize_along_k``, whose ``ScaleChoice.mode``
+(the rule's ``choose``) names the scales' layout; ``_gemms.mm`` takes the inverse scales
+in that layout. A rule of another layout (block scaling's tiles) adds its rule here, its
+mode to ``quantize_along_k`` and its scales to ``_gemms.mm``.
+
+Code that casts a weight itself (an fp8 all-gather) asks the state for the scale first
+(``Fp8State.weight_scale_choice``) and hands the gemm the result
+(``fp8_linear(..., weight_q=QuantizedWeight(...))``), which records it as a cast would.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from . import fp8_amax, fp8_cast
 from .fp8_scale import I_ACC_SATURATED, record_, record_reference, scale_from_amax_reference
 
 __all__ = ["BACKEND", "ScaleChoice", "RecordRule", "kernels_in_use", "amax_reference", "cast_reference",
-           "quantize", "quantize_rows", "record_stats", "bias_grad"]
+           "quantize", "quantize_along_k", "quantize_rows", "record_stats", "bias_grad"]
 
 #: ``"auto"``, ``"torch"`` or ``"triton"``: which implementation the fp8 path runs.
 BACKEND = "auto"
@@ -256,6 +256,24 @@ def record_stats(state, stats: tuple, sc: torch.Tensor, record: RecordRule) -> N
         snap = stats[0]
         record_(state.f, state.i, snap.view(torch.int32)[:1], snap[1:], sc, reset=False, backend="triton",
                 **record.kwargs())
+
+
+def quantize_along_k(t2: torch.Tensor, fp8_dtype: torch.dtype, choice: ScaleChoice, *, state=None,
+                     record: RecordRule | None = None):
+    """``(q, 1 / scales)`` of a 2-D operand laid out along the gemm's contraction
+    dimension, with many scales (``choice.mode`` names their layout): ``"rows"`` is one
+    scale per row (:func:`quantize_rows`). Scale layouts that tile rows further (block
+    scaling) add their mode here. Recorded on ``state`` when given.
+
+    Example::
+
+        >>> q, inv = quantize_along_k(torch.tensor([[2.0], [4.0]]), torch.float8_e4m3fn, ScaleChoice("rows"))
+        >>> inv.flatten().tolist()
+        [0.004464285913854837, 0.008928571827709675]
+    """
+    if choice.mode == "rows":
+        return quantize_rows(t2, fp8_dtype, power_of_two=choice.power_of_two, state=state, record=record)
+    raise ValueError(f"quantize_along_k: no quantizer for scale layout {choice.mode!r}; the layouts are 'rows'")
 
 
 def quantize_rows(t2: torch.Tensor, fp8_dtype: torch.dtype, *, power_of_two: bool = False, state=None,
