@@ -31,7 +31,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dispatch_amp import _markdown, fp8
-from dispatch_amp.fp8 import _gemms, _rules, fp8_linear
+from dispatch_amp.fp8 import _gemms, fp8_linear
+from dispatch_amp.kernels import fp8_quantize
 from dispatch_amp.kernels._launch import counting_launches
 
 __all__ = ["RECIPES", "FULL_SIZE", "TARGET", "count_kernels", "table", "main"]
@@ -67,13 +68,13 @@ class _Ops(TorchDispatchMode):
 
 @contextlib.contextmanager
 def _cuda_path():
-    previous = _rules._BACKEND, _gemms.BY_RULE_ON
-    _rules._BACKEND = "triton"  # what "auto" picks on CUDA
+    previous = fp8_quantize.BACKEND, _gemms.BY_RULE_ON
+    fp8_quantize.BACKEND = "triton"  # what "auto" picks on CUDA
     _gemms.BY_RULE_ON = frozenset()  # and torch._scaled_mm, also for the real run on a CPU
     try:
         yield
     finally:
-        _rules._BACKEND, _gemms.BY_RULE_ON = previous
+        fp8_quantize.BACKEND, _gemms.BY_RULE_ON = previous
 
 
 def _optimizer_step(x, weight, bias) -> None:
@@ -86,7 +87,7 @@ def _optimizer_step(x, weight, bias) -> None:
 
 def _linear_step(recipe, x, weight, bias, dy):
     # What the engine calls for an eligible F.linear in a bf16 region (native autocast off).
-    y = fp8_linear(x, weight, bias, recipe, torch.bfloat16, recipe._site(weight), "forward")
+    y = fp8_linear(x, weight, bias, recipe, torch.bfloat16, recipe.state.site(weight), "forward")
     y.backward(dy)
 
 
@@ -116,11 +117,11 @@ def count_kernels(recipe_name: str, size: tuple[int, int, int] = FULL_SIZE, devi
     x, weight, bias, dy = _tensors(*size, device)
     with _cuda_path(), counting_launches(dry=device == "meta"):
         if recipe_name == "delayed (first call)":
-            recipe._prepare(recipe._site(weight), weight.device)  # the state bind would make
+            recipe.state.prepare(recipe.state.site(weight), weight.device)  # the state bind would make
         else:
             _linear_step(recipe, x, weight, bias, dy)  # warm-up: the site's state is made
         if recipe_name == "delayed":
-            for state in recipe._lookup(weight).roles.values():
+            for state in recipe.state.lookup(weight).roles.values():
                 state.ready = True  # what the host learns from its copies after the first call
         _optimizer_step(x, weight, bias)
         ops = _Ops()

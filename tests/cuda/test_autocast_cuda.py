@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 import dispatch_amp as amp
+from dispatch_amp.kernels import fp8_quantize
 
 TESTS = pathlib.Path(__file__).resolve().parents[1]
 LOW = [torch.float16, torch.bfloat16]
@@ -391,7 +392,7 @@ def test_fp8_triton_casts_equal_the_torch_casts_on_cuda(monkeypatch, recipe_name
     linear_tests = _load(TESTS / "fp8" / "test_linear.py", "_cuda_lane_fp8_linear")
 
     def run(backend):
-        monkeypatch.setattr(fp8._rules, "_BACKEND", backend)
+        monkeypatch.setattr(fp8_quantize, "BACKEND", backend)
         recipe = FP8_RECIPES[recipe_name](fp8)
         x, w, b, dy = (to_cuda(t) for t in linear_tests._inputs((4, 64, 128), 256, torch.bfloat16, True))
         return [linear_tests._run(amp.autocast("cuda", dtype=torch.bfloat16, fp8=recipe), x, w, b, dy * (s + 1)) for s in range(2)]

@@ -88,12 +88,12 @@ def test_a_site_that_has_seen_only_zeros_stays_uninitialized():
     for _ in range(3):
         with amp.autocast("cpu", dtype=torch.bfloat16, fp8=recipe):
             F.linear(torch.zeros(16, 32), w)
-    assert recipe._lookup(w).history["input"][1].item() == 1.0  # no scale of its own yet
+    assert recipe.state.lookup(w).history["input"][1].item() == 1.0  # no scale of its own yet
     x = torch.full((16, 32), 1e-3)
     with amp.autocast("cpu", dtype=torch.bfloat16, fp8=recipe):
         y = F.linear(x, w)
     assert _rel(y, x @ w.t()) < 0.1
-    history, scale = recipe._lookup(w).history["input"]
+    history, scale = recipe.state.lookup(w).history["input"]
     assert history[0].item() == pytest.approx(1e-3) and scale.item() == pytest.approx(448 / 1e-3)
 
 

@@ -12,6 +12,7 @@ import torch
 
 import dispatch_amp as amp
 from dispatch_amp import fp8
+from dispatch_amp.kernels import fp8_quantize
 from dispatch_amp.kernels._launch import counting_launches
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -32,7 +33,7 @@ needs_interpreter = pytest.mark.skipif(
 @pytest.fixture
 def kernels(monkeypatch):
     """The CUDA path (the Triton kernels), run by the interpreter on CPU tensors."""
-    monkeypatch.setattr(fp8._rules, "_BACKEND", "triton")
+    monkeypatch.setattr(fp8_quantize, "BACKEND", "triton")
 
 
 def _region(recipe):
@@ -84,7 +85,7 @@ def _assert_same(got, want):
 @pytest.mark.parametrize("recipe_name", sorted(RECIPES))
 def test_the_kernels_give_the_torch_paths_bits(monkeypatch, recipe_name, x_dtype, bias, frozen):
     want, want_stats = _steps(recipe_name, x_dtype, bias, frozen)
-    monkeypatch.setattr(fp8._rules, "_BACKEND", "triton")
+    monkeypatch.setattr(fp8_quantize, "BACKEND", "triton")
     with counting_launches() as launches:
         got, got_stats = _steps(recipe_name, x_dtype, bias, frozen)
     assert "_cast_transpose_dbias_kernel" in launches or not bias or frozen  # the kernels ran
@@ -127,7 +128,7 @@ def test_micro_batches_quantize_the_weight_once_per_region_or_once_per_version_i
 def test_an_evaluation_region_quantizes_each_weight_once_and_agrees_with_fresh_quantization():
     layer = _layer()
     recipe = fp8.CurrentScaling().bind(layer)
-    site = recipe._lookup(layer.weight)
+    site = recipe.state.lookup(layer.weight)
     xs = [torch.randn(16, 48, generator=torch.Generator().manual_seed(i)) for i in range(3)]
     with torch.no_grad(), _region(recipe):
         cached = [layer(x) for x in xs]
@@ -146,7 +147,7 @@ def test_an_optimizer_step_frees_the_cached_copies():
     with amp.cast_cache():
         with _region(recipe):
             layer(torch.randn(16, 48)).float().sum().backward()
-        site = recipe._lookup(layer.weight)
+        site = recipe.state.lookup(layer.weight)
         assert site.cached is not None and site.cached_bias is not None
         opt.step()
         assert site.cached is None and site.cached_bias is None
@@ -362,7 +363,7 @@ def test_the_first_calls_of_delayed_scaling_learn_the_flag_without_blocking():
     recipe = fp8.DelayedScaling().bind(layer)
     with _region(recipe):
         layer(torch.randn(16, 48)).float().sum().backward()
-    states = recipe._lookup(layer.weight).roles
+    states = recipe.state.lookup(layer.weight).roles
     assert not any(s.ready for s in states.values())  # the first call: nothing known yet
     with _region(recipe):
         layer(torch.randn(16, 48)).float().sum().backward()

@@ -143,7 +143,7 @@ def test_history_wraps_around(oracle):
         _linear_call(recipe, x, w)
         site.use("input", x, E4M3)
         site.use("weight", w, E4M3)
-    history, scale = recipe._lookup(w).history["input"]
+    history, scale = recipe.state.lookup(w).history["input"]
     assert history.tolist() == [4.0, 0.25, 0.5]          # the last three, newest first
     assert scale.item() == site.scale["input"].item() == 448.0 / 4.0
     # The report shows the scale the last call used: 8.0 had left the window before it.
@@ -155,7 +155,7 @@ def test_most_recent_and_margin():
     w = torch.randn(16, 32)
     for m in (8.0, 2.0):
         _linear_call(recipe, torch.full((16, 32), m), w)
-    assert recipe._lookup(w).history["input"][1].item() == 448.0 / 2.0 / 2.0
+    assert recipe.state.lookup(w).history["input"][1].item() == 448.0 / 2.0 / 2.0
 
 
 def test_non_finite_amax_keeps_the_scale():
@@ -165,7 +165,7 @@ def test_non_finite_amax_keeps_the_scale():
     x = torch.full((16, 32), 2.0)
     x[0, 0] = float("nan")
     _linear_call(recipe, x, w)
-    assert recipe._lookup(w).history["input"][1].item() == 224.0
+    assert recipe.state.lookup(w).history["input"][1].item() == 224.0
 
 
 def _tiny_model(seed=0):

@@ -49,7 +49,7 @@ def test_two_models_with_the_same_names_cannot_share_sites():
     recipe = fp8.DelayedScaling().bind(student)
     with pytest.raises(ValueError, match=r"prefix='teacher.'"):
         recipe.bind(teacher)
-    assert [s.names for s in recipe._sites()] == [["0"], ["2"]]  # nothing changed
+    assert [s.names for s in recipe.state.sites()] == [["0"], ["2"]]  # nothing changed
 
 
 def test_with_prefixes_each_model_keeps_its_own_scales(oracle):

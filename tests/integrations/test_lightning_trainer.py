@@ -547,7 +547,7 @@ def test_true_precisions_at_o2_train_a_bound_delayed_recipe(same, precision, dty
     assert sorted(state["sites"]) == ["net.0", "net.2"]
     assert all(t.dtype == torch.float32 for site in state["sites"].values() for t in site.values()
                if t.is_floating_point())
-    assert all(s.roles[role].f.dtype == torch.float32 for s in recipe._sites() for role in s.roles)
+    assert all(s.roles[role].f.dtype == torch.float32 for s in recipe.state.sites() for role in s.roles)
     # The first layer's input is the batch, cast to 16 bits by the plugin: every step's amax.
     x = model.train_dataloader().dataset.tensors[0]
     want = x.to(dtype).abs().max().float()

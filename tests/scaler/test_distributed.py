@@ -439,7 +439,7 @@ def fp8_worker(rank):
                 closure()
                 opt.step()
             opt.zero_grad()
-        sites = recipe._sites()
+        sites = recipe.state.sites()
         out[setup] = {
             "input_history": [site.history["input"][0].clone() for site in sites],
             "grad_history": [site.history["grad_output"][0].clone() for site in sites],

@@ -68,7 +68,7 @@ def fp8(ctx, st, op, keyset, args, kwargs):
     else:
         phase = "forward"
     with _DisableAutocast():
-        return fp8_linear(x, weight, bias, recipe, ctx.dtype, recipe._site(holder), phase)
+        return fp8_linear(x, weight, bias, recipe, ctx.dtype, recipe.state.site(holder), phase)
 
 
 _torch_compat.keep_out_of_dynamo(globals(), __name__)

@@ -174,7 +174,7 @@ def trace_call(mode: TorchFunctionMode, func, args, kwargs):
     # The weight (the parameter, for a linear-shaped matmul) carries its site
     # (fp8/recipes.py): the graph updates its statistics, and delayed scaling's history,
     # in place.
-    site = recipe._lookup(holder)
+    site = recipe.state.lookup(holder)
     if site is None and recipe.stateful:
         _refuse_unbound_site(type(recipe).__name__)
     with torch.autocast(device_type, enabled=False):

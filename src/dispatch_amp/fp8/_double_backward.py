@@ -42,7 +42,7 @@ class _Fp8LinearGrad(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.meta, ctx.needs = meta, needs
         ctx.x_requires_grad = needs[0] if x2 is None else x2.requires_grad
-        if meta.recipe.rowwise:
+        if _rowwise(meta):
             ctx.save_for_backward(dy, saved[1], saved[0])
         else:
             xq_t, x_sc, wq_t, w_sc = saved[:4]
@@ -53,7 +53,7 @@ class _Fp8LinearGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_dx, g_dw, g_db):
         meta = ctx.meta
-        if meta.recipe.rowwise:
+        if _rowwise(meta):
             dy, w, x2 = ctx.saved_tensors
             w, x = w.float(), x2.float()
         else:
@@ -72,7 +72,7 @@ class _Fp8LinearGrad(torch.autograd.Function):
         if g_dw is not None:
             g_dw = g_dw.float()
             if ctx.x_requires_grad:
-                if not meta.recipe.rowwise:
+                if not _rowwise(meta):
                     raise RuntimeError(
                         "a double backward (create_graph=True) through an fp8 linear's weight gradient needs the "
                         "layer's input in full precision, which the fp8 forward does not keep with one scale per "
@@ -92,11 +92,16 @@ class _Fp8LinearGrad(torch.autograd.Function):
         return g_dy, g_w, g_x, None, None, None
 
 
+def _rowwise(meta: Meta) -> bool:
+    # Many scales along the contraction dimension: the forward saved x and w themselves.
+    return meta.recipe.state.rule.granularity != "tensor"
+
+
 def differentiable_grads(meta: Meta, dy: torch.Tensor, saved, needs):
     """The fp8 backward's ``(dx, dw, db)``, differentiable with respect to ``dy``, the
     weight and (row-wise) the input."""
-    weight = saved[1] if meta.recipe.rowwise else saved[4]
-    x2 = saved[0] if meta.recipe.rowwise else None
+    weight = saved[1] if _rowwise(meta) else saved[4]
+    x2 = saved[0] if _rowwise(meta) else None
     return _Fp8LinearGrad.apply(dy, weight, x2, meta, tuple(saved), needs)
 
 

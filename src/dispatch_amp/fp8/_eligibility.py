@@ -6,6 +6,7 @@ import torch
 
 from .. import _torch_compat
 
+from ._rules import gemm_shapes_ok
 from .recipes import Recipe
 
 __all__ = ["linear_arguments", "fp8_eligible"]
@@ -59,9 +60,15 @@ def fp8_eligible(recipe: Recipe, device_type: str, x, weight, bias, name=_LOOK_U
             return False
     if weight.dim() != 2 or (bias is not None and bias.shape != (weight.shape[0],)):
         return False
-    if name is _LOOK_UP:
-        return recipe._accepts(weight if holder is None else holder, x.shape, weight.shape)
-    return recipe.eligible(name, x.shape, weight.shape)
+    if not gemm_shapes_ok(x.shape, weight.shape):
+        return False
+    if name is not _LOOK_UP or recipe.filter_fn is None:
+        return recipe.eligible(None if name is _LOOK_UP else name, x.shape, weight.shape)
+    # filter_fn is asked for every name of the site (a tied weight's each), and must accept
+    # them all; the site's weight is the parameter for a linear-shaped matmul on its
+    # transpose, whose weight_shape is still that of the linear, (out, in).
+    names = recipe.site_names(weight if holder is None else holder) or (None,)
+    return all(recipe.eligible(n, x.shape, weight.shape) for n in names)
 
 
 _torch_compat.keep_out_of_dynamo(globals(), __name__)

@@ -124,30 +124,32 @@ def _scaled_mm_flops(a_shape, b_rows_shape, *args, **kwargs) -> int:
 def first_order_grads(meta, dy: torch.Tensor, saved, needs):
     """``(dx, dw, db)`` of one fp8 linear from its saved operands (None where not needed)."""
     recipe, site = meta.recipe, meta.site
+    owner = recipe.state
     need_x, need_w, need_b = needs
     dy2 = dy.reshape(-1, dy.shape[-1])
     dx = dw = db = None
-    fmt = recipe.grad_format
-    if recipe.rowwise:
+    if owner.rule.granularity != "tensor":
+        # Scales along the contraction dimension: each gemm contracts along another one,
+        # so each operand is quantized again, from the saved input and weight.
         x2, weight = saved[0], saved[1]
         if need_x:
-            dyq, dy_inv = recipe._quantize_rows(dy2, "grad_output", fmt, site, True)
-            wtq, wt_inv = recipe._quantize_rows(weight.t(), "weight", recipe.forward_format, None, False)
+            dyq, dy_inv = _rows(quantize(owner, dy2, "grad_output", site, True))
+            wtq, wt_inv = _rows(quantize(owner, weight.t(), "weight", None, False))
             dx = mm(dyq, wtq, dy_inv, wt_inv.t(), meta.x_dtype)
         if need_w:
-            if recipe.weight_grad_high_precision:
+            if getattr(recipe, "weight_grad_high_precision", False):
                 low = meta.out_dtype
                 dw = torch.mm(dy2.t().to(low), x2.to(low)).to(meta.weight_dtype)
             else:
-                dytq, dyt_inv = recipe._quantize_rows(dy2.t(), "grad_output", fmt, site, not need_x)
-                xtq, xt_inv = recipe._quantize_rows(x2.t(), "input", recipe.forward_format, None, False)
+                dytq, dyt_inv = _rows(quantize(owner, dy2.t(), "grad_output", site, not need_x))
+                xtq, xt_inv = _rows(quantize(owner, x2.t(), "input", None, False))
                 dw = mm(dytq, xtq, dyt_inv, xt_inv.t(), meta.weight_dtype)
     elif need_x or need_w:
         xq_t, x_sc, wq_t, w_sc = saved[:4]
         # dx = dy @ w contracts along N: w.T's rows (wq_t); dw = dy.T @ x along M: the rows
         # of dy.T and x.T (dyq_t, xq_t). The bias gradient comes from the same read of dy.
-        dyq, dyq_t, dy_sc, db = quantize(recipe, dy2, "grad_output", fmt, site, True, need_q=need_x,
-                                         need_qt=need_w, dbias=need_b)
+        dyq, dyq_t, dy_sc, db = quantize(owner, dy2, "grad_output", site, True, need_q=need_x, need_qt=need_w,
+                                         dbias=need_b)
         if need_x:
             dx = mm(dyq, wq_t, inverse(dy_sc), inverse(w_sc), meta.x_dtype)
         if need_w:
@@ -158,6 +160,12 @@ def first_order_grads(meta, dy: torch.Tensor, saved, needs):
     if dx is not None:
         dx = dx.reshape(meta.x_shape)
     return dx, dw, db
+
+
+def _rows(quantized):
+    # A quantize along K's (q, None, 1 / scales, None), for the gemm: (q, 1 / scales).
+    q, _, inv, _ = quantized
+    return q, inv
 
 
 _torch_compat.keep_out_of_dynamo(globals(), __name__)

@@ -23,6 +23,7 @@ float32.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
@@ -30,10 +31,10 @@ from .. import _torch_compat
 
 from . import _double_backward, _replay
 from ._gemms import Meta, first_order_grads, inverse, mm
-from ._quantize import quantize, quantize_bias, quantize_weight
+from ._quantize import quantize, quantize_bias, quantize_weight, record_quantized
 from .recipes import Recipe
 
-__all__ = ["fp8_linear"]
+__all__ = ["fp8_linear", "QuantizedWeight"]
 
 
 # The device types autocast knows, read once: Dynamo before torch 2.13 cannot trace
@@ -61,12 +62,13 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, xq, xq_t, x_sc, wq, wq_t, w_sc, bias_lo, recipe: Recipe, site,
                 out_dtype: torch.dtype):
+        rowwise = recipe.state.rule.granularity != "tensor"  # scales along K: re-quantized per gemm
         with _native_off(x.device.type):
-            if recipe.rowwise:
+            if rowwise:
                 y = mm(xq, wq, x_sc, w_sc.t(), out_dtype, bias_lo)
             else:
                 y = mm(xq, wq, inverse(x_sc), inverse(w_sc), out_dtype, bias_lo)
-        if recipe.rowwise:
+        if rowwise:
             # The backward contracts along other dimensions: it quantizes again from these.
             ctx.save_for_backward(x.reshape(-1, weight.shape[1]), weight)
         else:
@@ -89,14 +91,39 @@ class _Fp8Linear(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None, None, None, None, None, None
 
 
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A weight already in fp8 (an fp8 all-gather's result), handed to :func:`fp8_linear`
+    so that it is not cast again: ``data`` (the ``(out, in)`` fp8 tensor), ``sc``
+    (``[scale, 1 / scale]``, float32), optionally ``data_t`` (``data.t().contiguous()``,
+    which the input-gradient gemm takes; made here if missing), and the statistics the
+    cast would have recorded: ``amax`` (float32, 0-d: of the whole weight) and
+    ``saturated`` (int64, 0-d). One scale per tensor only.
+
+    Example::
+
+        qw = QuantizedWeight(q, torch.stack([s, s.reciprocal()]), amax, saturated)
+        y = fp8_linear(x, weight, bias, recipe, torch.bfloat16, site, weight_q=qw)
+    """
+
+    data: torch.Tensor
+    sc: torch.Tensor
+    amax: torch.Tensor
+    saturated: torch.Tensor
+    data_t: torch.Tensor | None = None
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe,
-               out_dtype: torch.dtype, site=None, phase: str = "forward") -> torch.Tensor:
+               out_dtype: torch.dtype, site=None, phase: str = "forward",
+               weight_q: QuantizedWeight | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` as fp8 gemms under ``recipe``, output in ``out_dtype``.
 
-    ``site`` is the recipe's state for this weight (``recipe._site(weight)``); without one
-    no statistics are recorded (a stateful recipe needs one). ``phase``: ``"forward"``,
+    ``site`` is the recipe's state for this weight (``recipe.state.site(weight)``); without
+    one no statistics are recorded (a stateful recipe needs one). ``phase``: ``"forward"``,
     ``"checkpointed"`` (a forward activation checkpointing will recompute) or
-    ``"recompute"``.
+    ``"recompute"``. ``weight_q``: the weight already quantized (:class:`QuantizedWeight`,
+    with the scale ``recipe.state.weight_scale_choice(weight)`` gave); its statistics are
+    recorded as the cast's would have been.
 
     Example::
 
@@ -105,27 +132,29 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         >>> fp8_linear(x, w, None, CurrentScaling(), torch.bfloat16).dtype
         torch.bfloat16
     """
+    owner = recipe.state
     if site is not None:
-        recipe._prepare(site, x.device)
+        owner.prepare(site, x.device)
     x2 = x.reshape(-1, weight.shape[1])
-    fmt = recipe.forward_format
     # The backward's gemms take the weight transposed (grad_input) and the input
     # transposed (grad_weight): made here, from the same read, only for the gradients
-    # that will be asked for.
+    # that will be asked for. Row-wise scaling quantizes again in the backward instead.
     grad = torch.is_grad_enabled()
-    need_dx, need_dw = grad and x.requires_grad, grad and weight.requires_grad
-    if recipe.rowwise:
-        record = phase != "recompute"
-        xq, x_sc = recipe._quantize_rows(x2, "input", fmt, site, record)
-        wq, w_sc = recipe._quantize_rows(weight, "weight", fmt, site, record)
-        xq_t = wq_t = None
-    else:
-        (x_scale, w_scale), record, key = (recipe._forward_scales(site, phase) if site is not None
-                                           else ((None, None), phase != "recompute", None))
-        xq, xq_t, x_sc, _ = quantize(recipe, x2, "input", fmt, site, record, x_scale, need_qt=need_dw)
-        wq, wq_t, w_sc = quantize_weight(recipe, weight, fmt, site, record, w_scale, need_qt=need_dx)
-        if key is not None:  # checkpointed: its recomputation replays these
-            _replay.remember(key, site, (x_sc[0], w_sc[0]))
+    tensorwise = owner.rule.granularity == "tensor"
+    need_dx, need_dw = grad and x.requires_grad and tensorwise, grad and weight.requires_grad and tensorwise
+    (x_scale, w_scale), record, key = _replay.forward_scales(site, phase, recipe.stateful)
+    xq, xq_t, x_sc, _ = quantize(owner, x2, "input", site, record, x_scale, need_qt=need_dw)
+    if weight_q is not None:
+        wq, w_sc = weight_q.data, weight_q.sc
+        wq_t = (weight_q.data_t if weight_q.data_t is not None else wq.t().contiguous()) if need_dx else None
+        if record and site is not None:
+            record_quantized(owner, site, "weight", weight_q.amax, weight_q.saturated, w_sc)
+    elif tensorwise:
+        wq, wq_t, w_sc = quantize_weight(owner, weight, site, record, w_scale, need_qt=need_dx)
+    else:  # no cache: row-wise scales are the weight's own at every call
+        wq, wq_t, w_sc, _ = quantize(owner, weight, "weight", site, record)
+    if key is not None:  # checkpointed: its recomputation replays these
+        _replay.remember(key, site, (x_sc[0], w_sc[0]))
     bias_lo = quantize_bias(site, bias, out_dtype)
     return _Fp8Linear.apply(x, weight, bias, xq, xq_t, x_sc, wq, wq_t, w_sc, bias_lo, recipe, site, out_dtype)
 

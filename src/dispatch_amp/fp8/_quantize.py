@@ -1,15 +1,9 @@
-"""Quantizing one operand with one scale: the torch rule, the CUDA kernels, the weight cache.
+"""Quantizing one operand: the one quantize of the fp8 path, and the weight cache.
 
-Both paths follow the same rules (``kernels/fp8_cast.py``, ``kernels/fp8_scale.py``) bit
-for bit; the recipe decides the scale (its ``_scale``) and what a call records (its
-``_record``). On the kernel path (CUDA, or Triton's interpreter in tests) a quantize is:
-
-* current scaling: the amax kernel, then the cast kernel (which derives the scale from
-  that amax itself), then the statistics kernel;
-* delayed scaling: the cast kernel with the scale in force (computing the amax in the same
-  read), then the statistics kernel, which also advances the history; before the host
-  knows the site has a scale of its own, the amax kernel first and the cast kernel choosing
-  on the device (see ``DelayedScaling``).
+:func:`quantize` asks the recipe's scaling rule (``_scaling.py``) how the scale is chosen
+and what recording the call does, and hands both to ``kernels/fp8_quantize.py``, which
+runs the torch rule or the Triton kernels (the choice is made there, bit for bit the
+same).
 
 The weight cache: an eager call inside an autocast region quantizes a weight once per
 version of it, for the rest of the region (as native autocast casts a weight once per
@@ -38,14 +32,10 @@ from dataclasses import dataclass
 import torch
 
 from .. import _torch_compat
-from ..kernels import fp8_amax, fp8_cast
-from ..kernels.fp8_scale import F_INIT, F_SCALE, I_ACC_SATURATED
-from . import _step_hooks
-from ._rules import amax as _amax
-from ._rules import cast as _cast
-from ._rules import kernels_in_use
+from ..kernels import fp8_quantize as _kernels
 
-__all__ = ["quantize", "quantize_weight", "quantize_bias", "region_closed", "drop_all", "restored"]
+__all__ = ["quantize", "quantize_weight", "quantize_bias", "record_quantized", "region_closed", "drop_all", "restored",
+           "kept_scale"]
 
 _float32 = torch.float32
 
@@ -147,75 +137,52 @@ def _identity(t: torch.Tensor):
     return storage, (t._version, t.storage_offset(), t.shape, t.stride(), t.dtype, t.device)
 
 
-def quantize(recipe, t2: torch.Tensor, role: str, fmt: torch.dtype, site, record: bool,
-             scale: torch.Tensor | None = None, need_q: bool = True, need_qt: bool = False,
-             dbias: bool = False, snapshot: list | None = None):
-    """``(q, q_t, sc, db)`` of a 2-D operand: the layouts asked for (else None), ``sc =
-    [scale, 1 / scale]``, and the bias gradient of ``t2`` when ``dbias``. Records the call
-    on ``site`` when ``record``; ``snapshot`` (a list) receives what recording took."""
-    if kernels_in_use(t2):
-        return _with_kernels(recipe, t2.contiguous(), role, fmt, site, record, scale, need_q, need_qt, dbias, snapshot)
-    a = None
-    if scale is None:
-        scale, a = recipe._scale(t2, role, fmt, site)
-    q, saturated = _cast(t2, scale, fmt)
-    if a is None:
-        a = _amax(t2)
-    q_t = q.t().contiguous() if need_qt else None
-    sc = torch.stack([scale, scale.reciprocal()])
-    if record and site is not None:
-        recipe._record(site, role, a, sc[0], saturated, fmt)
-        if snapshot is not None:
-            snapshot.extend([a, saturated])
-    db = fp8_cast.bias_grad_reference(t2) if dbias else None
-    return (q if need_q else None), q_t, sc, db
+def quantize(owner, t2: torch.Tensor, role: str, site, record: bool, scale: torch.Tensor | None = None,
+             need_q: bool = True, need_qt: bool = False, dbias: bool = False, snapshot: list | None = None):
+    """``(q, q_t, sc, db)`` of a 2-D operand of ``role`` under ``owner`` (an ``Fp8State``):
+    the layouts asked for (else None), its scales and the bias gradient of ``t2`` when
+    ``dbias``. ``sc`` is ``[scale, 1 / scale]`` with one scale per tensor, and the
+    inverse scales (``(rows, 1)`` for one per row) for a rule with many scales along the
+    contraction dimension (no ``q_t``, ``db``). ``scale``: one
+    fixed elsewhere (a replay), else the rule's choice. Records the call on ``site`` when
+    ``record``; ``snapshot`` (a list) receives what recording took.
 
-
-def _with_kernels(recipe, t2, role, fmt, site, record, scale, need_q, need_qt, dbias, snapshot):
+    The one quantize of the fp8 path: the rule chooses the scale and says what recording
+    does; ``kernels/fp8_quantize.py`` runs it, with torch or the Triton kernels.
+    """
+    rule = owner.rule
     state = site.roles[role] if site is not None else None
     recording = record and state is not None
+    fmt = rule.dtype(role)
+    how = rule.record_rule(role) if recording else None
+    if rule.granularity != "tensor":  # many scales along the contraction dimension
+        q, inv = _kernels.quantize_along_k(t2, fmt, rule.choose(state, role), state=state if recording else None,
+                                           record=how)
+        out = q, None, inv, None
+    else:
+        choice = rule.given(scale) if scale is not None else rule.choose(state, role)
+        out = _kernels.quantize(t2, fmt, choice, state=state if recording else None, record=how, need_q=need_q,
+                                need_qt=need_qt, dbias=dbias, snapshot=snapshot)
     if recording:
-        acc, saturated = state.acc, state.i[I_ACC_SATURATED:]
-    else:  # a replay or a call without a site: accumulators of its own
-        acc, saturated = fp8_cast.new_accumulators(t2.device)
-    sc = torch.empty(2, dtype=_float32, device=t2.device)
-    given, initialized, mode = scale, None, "given"
-    if scale is None:
-        if recipe.stateful and recipe._scale_known(state):
-            given = state.f[F_SCALE]
-        else:
-            fp8_amax.amax_into_(t2, acc, backend="triton")
-            mode = "first" if recipe.stateful else "amax"
-            if recipe.stateful:
-                given, initialized = state.f[F_SCALE], state.f[F_INIT]
-    q, q_t, db = fp8_cast.quantize_(
-        t2, fmt, mode=mode, scale=given, initialized=initialized, amax_acc=acc, saturated_acc=saturated, sc_out=sc,
-        margin=getattr(recipe, "margin", 0), power_of_two=recipe.power_of_two, accumulate_amax=mode == "given",
-        write_q=need_q, write_qt=need_qt, dbias=dbias, backend="triton")
-    if recording:
-        snap = None
-        if snapshot is not None:
-            snap = torch.empty(2, dtype=torch.int64, device=t2.device)
-            snapshot.append(snap)
-        recipe._record_accumulated(state, acc, saturated, sc, fmt, snap)
-    return q, q_t, sc, db
+        rule.recorded(owner, state)
+    return out
 
 
-def quantize_weight(recipe, weight: torch.Tensor, fmt: torch.dtype, site, record: bool,
+def quantize_weight(owner, weight: torch.Tensor, site, record: bool,
                     scale: torch.Tensor | None, need_qt: bool):
     """``(q, q_t, sc)`` of the weight, from the cache when this version of it was
     quantized already in this lifetime (with the transposed layout, if asked for)."""
     if site is None or not record or torch.compiler.is_compiling() or weight.is_inference():
         # No version counter (inference tensors); a recomputation, which records nothing:
         # quantized afresh, with the scales it replays.
-        q, q_t, sc, _ = quantize(recipe, weight, "weight", fmt, site, record, scale, need_qt=need_qt)
+        q, q_t, sc, _ = quantize(owner, weight, "weight", site, record, scale, need_qt=need_qt)
         return q, q_t, sc
     found = _identity(weight)
     if found is None or not _in_region():
-        q, q_t, sc, _ = quantize(recipe, weight, "weight", fmt, site, record, scale, need_qt=need_qt)
+        q, q_t, sc, _ = quantize(owner, weight, "weight", site, record, scale, need_qt=need_qt)
         return q, q_t, sc
     storage, key = found
-    key = (*key, fmt, torch.is_inference_mode_enabled())
+    key = (*key, owner.rule.forward_dtype, torch.is_inference_mode_enabled())
     life, generation = _LIFE, _GENERATION[0]
     cached = site.cached
     if cached is not None and cached.generation == generation:
@@ -225,23 +192,37 @@ def quantize_weight(recipe, weight: torch.Tensor, fmt: torch.dtype, site, record
         elif (cached.owner is life.owner and cached.storage is storage and cached.key == key
               and (cached.q_t is not None or not need_qt)
               and (scale is None or scale.data_ptr() == cached.sc.data_ptr())):
-            recipe._record_cached(site, cached, fmt)
+            _record_cached(owner, site, cached)
             return cached.q, (cached.q_t if need_qt else None), cached.sc
     if scale is not None and (cached is None or cached.key is not None):
         # A replay of another copy's scale: nothing to keep.
-        q, q_t, sc, _ = quantize(recipe, weight, "weight", fmt, site, True, scale, need_qt=need_qt)
+        q, q_t, sc, _ = quantize(owner, weight, "weight", site, True, scale, need_qt=need_qt)
         return q, q_t, sc
     snapshot: list = []
-    q, q_t, sc, _ = quantize(recipe, weight, "weight", fmt, site, True, scale, need_qt=need_qt, snapshot=snapshot)
+    q, q_t, sc, _ = quantize(owner, weight, "weight", site, True, scale, need_qt=need_qt, snapshot=snapshot)
     if snapshot:
         holder = site.alive()
         held = found if holder is weight else (None if holder is None else _identity(holder))
         site.cached = _Cached(key, q, q_t, sc, tuple(snapshot), storage, life.owner, generation,
                               None if held is None else held[1])
         life.sites.add(site)
-        if not _step_hooks.watching(recipe):
-            _step_hooks.watch(recipe)
+        owner.watch()  # the copy is dropped before the next optimizer step
     return q, q_t, sc
+
+
+def _record_cached(owner, site, cached) -> None:
+    """Records a call that reused the weight's fp8 copy: the statistics of its quantization."""
+    state = site.roles["weight"]
+    _kernels.record_stats(state, cached.stats, cached.sc, owner.rule.record_rule("weight"))
+    owner.rule.recorded(owner, state)
+
+
+def record_quantized(owner, site, role: str, amax: torch.Tensor, saturated: torch.Tensor, sc: torch.Tensor) -> None:
+    """Records a call whose operand was quantized elsewhere (an fp8 all-gather's weight):
+    ``amax`` and ``saturated`` of the whole operand, ``sc`` the scales it was cast with."""
+    state = site.roles[role]
+    _kernels.record_stats(state, (amax, saturated), sc, owner.rule.record_rule(role))
+    owner.rule.recorded(owner, state)
 
 
 def quantize_bias(site, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:

@@ -26,7 +26,7 @@ import torch
 
 from .. import _torch_compat
 
-__all__ = ["checkpoint_key", "remember", "replayed"]
+__all__ = ["checkpoint_key", "remember", "replayed", "forward_scales"]
 
 _ATTR = "_dispatch_amp_fp8_replays"
 _REENTRANT = _torch_compat.reentrant_checkpoint_function
@@ -76,6 +76,22 @@ class _Replays:
     def __init__(self) -> None:
         self.calls: dict = {}  # site -> [scales of each call, in order]
         self.cursors: dict = {}  # (graph task, site) -> next call to replay
+
+
+def forward_scales(site, phase: str, stateful: bool):
+    """``((input scale, weight scale), record, key)`` of a forward call: scales of None are
+    the rule's own (a recomputation's are the forward's it replays); ``record``: whether
+    the call records statistics (a recomputation does not); ``key``: where to keep the
+    scales the forward uses, for its recomputation. Only a rule with state (delayed
+    scaling) replays: a stateless one gives the same scales again by itself."""
+    if not stateful or site is None:
+        return (None, None), phase != "recompute", None
+    key = checkpoint_key() if phase != "forward" else None
+    if phase == "recompute" and key is not None:
+        scales = replayed(key, site)
+        if scales is not None:
+            return scales, False, None
+    return (None, None), True, (key if phase == "checkpointed" else None)
 
 
 def remember(key, site, scales) -> None:

@@ -8,15 +8,70 @@ training step makes no device synchronization.
 
 from __future__ import annotations
 
+import enum
+
 import torch
 
 from .. import _torch_compat
 from ..kernels import fp8_cast as _kernels
+from ..kernels import fp8_quantize as _quantize_kernels
 from ..kernels import fp8_scale as _scale_kernels
 from ..kernels.fp8_scale import FLOAT32_MAX, floor_power_of_two
 
-__all__ = ["FORMATS", "fp8_max", "check_format", "amax", "scale_from_amax", "cast", "cast_with_amax",
-           "cast_transpose", "kernels_in_use", "floor_power_of_two", "FLOAT32_MAX", "bias_grad"]
+__all__ = ["Format", "FORMATS", "fp8_max", "check_format", "amax", "scale_from_amax", "cast", "kernels_in_use",
+           "floor_power_of_two", "FLOAT32_MAX", "bias_grad", "gemm_shapes_ok"]
+
+class Format(enum.Enum):
+    """The fp8 formats a recipe quantizes to: ``E4M3`` (``torch.float8_e4m3fn``, largest
+    value 448, 3 mantissa bits: forward operands) and ``E5M2`` (``torch.float8_e5m2``,
+    largest value 57344, 2 mantissa bits: gradients by default).
+
+    Recipes take a member or its torch dtype (``Format.of``); a member equals its dtype.
+
+    Example::
+
+        >>> Format.of(torch.float8_e5m2) is Format.E5M2, Format.E4M3 == torch.float8_e4m3fn
+        (True, True)
+        >>> Format.E4M3.max
+        448.0
+    """
+
+    E4M3 = "float8_e4m3fn"
+    E5M2 = "float8_e5m2"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The torch dtype of the format."""
+        return getattr(torch, self.value)
+
+    @property
+    def max(self) -> float:
+        """The format's largest finite value."""
+        return FORMATS[self.dtype]
+
+    @classmethod
+    def of(cls, value, what: str = "format") -> Format:
+        """``value`` (a member, its torch dtype or its name) as a member, else a ValueError
+        naming ``what`` and the formats there are."""
+        if isinstance(value, cls):
+            return value
+        for member in cls:
+            if value == member.dtype or value == member.value:
+                return member
+        raise ValueError(f"{what} must be torch.float8_e4m3fn or torch.float8_e5m2 (or fp8.Format.E4M3 / "
+                         f"fp8.Format.E5M2), got {value!r}")
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, torch.dtype):
+            return other == self.dtype
+        return self is other
+
+    def __hash__(self) -> int:
+        return hash(self.dtype)
+
+    def __repr__(self) -> str:
+        return f"Format.{self.name}"
+
 
 # The largest finite value of each format.
 FORMATS: dict[torch.dtype, float] = {dt: _kernels.fp8_max(dt) for dt in (torch.float8_e4m3fn, torch.float8_e5m2)}
@@ -27,11 +82,6 @@ ALL_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz,
 # midpoint between fp8_max and the format's next step (480 for e4m3fn, 65536 for e5m2).
 # A value just above fp8_max (the scale's own rounding, amax * (fp8_max / amax)) does not.
 SATURATES_ABOVE: dict[torch.dtype, float] = _kernels.SATURATES_ABOVE
-
-# Which implementation of the per-tensor casts runs: "auto" is the Triton kernels on CUDA
-# and torch elsewhere (kernels/fp8_cast.py, where both follow the same rule bit for bit).
-# Tests set "triton" to run the kernels through Triton's interpreter on CPU tensors.
-_BACKEND = "auto"
 
 _float32 = torch.float32
 
@@ -49,23 +99,7 @@ def fp8_max(fp8_dtype: torch.dtype) -> float:
 
 def check_format(fp8_dtype, what: str) -> torch.dtype:
     """``fp8_dtype`` if it is a format the fp8 path takes, else a ValueError naming ``what``."""
-    if fp8_dtype not in FORMATS:
-        raise ValueError(
-            f"{what} must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}"
-        )
-    return fp8_dtype
-
-
-def amax(t: torch.Tensor, rowwise: bool = False) -> torch.Tensor:
-    """``max|t|`` in float32: a 0-d tensor, or one per row (shape ``(rows, 1)``) with
-    ``rowwise``. A nan anywhere gives nan (torch's amax propagates it).
-
-    ``|t|`` is exact in ``t``'s own dtype, so the maximum is taken there and only the
-    result is widened: no float32 copy of ``t`` is made.
-    """
-    a = t.detach().abs()
-    a = a.amax(dim=-1, keepdim=True) if rowwise else a.amax()
-    return a.to(_float32)
+    return Format.of(fp8_dtype, what).dtype
 
 
 def scale_from_amax(
@@ -90,57 +124,33 @@ def scale_from_amax(
     return _scale_kernels.scale_from_amax_reference(amax_, FORMATS[fp8_dtype], margin, power_of_two)
 
 
-def cast(t: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The saturating cast: ``(q, saturated)``.
+def gemm_shapes_ok(input_shape, weight_shape) -> bool:
+    """Whether a ``linear`` with these shapes can be fp8 gemms: a 2-D weight whose input
+    features are the input's last dimension, and every gemm dimension (the rows of the
+    flattened input, the input features, the output features) a multiple of 16, as
+    cuBLAS's fp8 gemms need.
 
-    ``q = clamp(t.float() * scale, -fp8_max, fp8_max).to(fp8_dtype)`` for finite elements
-    of ``t``; every inf or nan element becomes nan (torch's own cast would saturate inf to
-    fp8_max and hide it). ``saturated`` (int64, 0-d) counts the finite elements with
-    ``|t * scale|`` above ``SATURATES_ABOVE`` (464 for e4m3fn, 61440 for e5m2). ``scale`` is 0-d or broadcasts along rows (``(rows, 1)``).
+    Example::
+
+        >>> gemm_shapes_ok((4, 16, 32), (48, 32)), gemm_shapes_ok((8, 32), (48, 32))
+        (True, False)
     """
-    limit = FORMATS[fp8_dtype]
-    x = t.detach().to(_float32)
-    y = x * scale
-    finite = torch.isfinite(x)
-    saturated = (finite & (y.abs() > SATURATES_ABOVE[fp8_dtype])).sum()
-    q = torch.where(finite, y.clamp(-limit, limit), torch.full_like(y, float("nan"))).to(fp8_dtype)
-    return q, saturated
+    if len(weight_shape) != 2 or len(input_shape) < 1 or input_shape[-1] != weight_shape[1]:
+        return False
+    rows = 1
+    for d in input_shape[:-1]:
+        rows *= d
+    return not (rows == 0 or rows % 16 or weight_shape[0] % 16 or weight_shape[1] % 16)
 
 
-def bias_grad(dy2: torch.Tensor) -> torch.Tensor:
-    """The bias gradient of a linear from its 2-D ``grad_output``: column sums in float32,
-    in the fixed order of ``kernels/fp8_cast.py`` (blocks of 64 rows, each a pairwise tree,
-    added in order), so that the kernel and the torch rule agree bit for bit."""
-    if kernels_in_use(dy2):
-        return _kernels.bias_grad(dy2.contiguous(), backend="triton")
-    return _kernels.bias_grad_reference(dy2)
-
-
-def _backend() -> str:
-    # While torch.compile traces, the torch rule: the compiler fuses it itself.
-    return "torch" if torch.compiler.is_compiling() else _BACKEND
-
-
-def kernels_in_use(t: torch.Tensor) -> bool:
-    """Whether the per-tensor casts of ``t`` run the Triton kernels."""
-    backend = _backend()
-    return backend == "triton" or (backend == "auto" and t.is_cuda and _kernels.triton is not None)
-
-
-def cast_with_amax(t: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype):
-    """``cast`` with a 0-d scale, plus ``amax(t)``: ``(q, amax, saturated)`` in one pass
-    over ``t`` where the kernels run (delayed scaling's step)."""
-    if not kernels_in_use(t):
-        q, saturated = cast(t, scale, fp8_dtype)
-        return q, amax(t), saturated
-    return _kernels.amax_and_cast(t.contiguous(), scale, fp8_dtype, backend="triton")
-
-
-def cast_transpose(t: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype):
-    """``cast_with_amax`` of a 2-D ``t`` plus ``q.t().contiguous()``: ``(q, q_t, amax,
-    saturated)``, both layouts from one read where the kernels run (the backward gemms
-    take each fp8 operand in the other layout)."""
-    return _kernels.cast_transpose(t.contiguous(), scale, fp8_dtype, backend="triton")
+#: ``max|t|`` in float32 (0-d, or ``(rows, 1)`` with ``rowwise``): ``kernels/fp8_quantize.py``.
+amax = _quantize_kernels.amax_reference
+#: The saturating cast, ``(q, saturated)``: ``kernels/fp8_quantize.py`` states it.
+cast = _quantize_kernels.cast_reference
+#: The bias gradient of a linear from its 2-D ``grad_output`` (kernel or torch rule).
+bias_grad = _quantize_kernels.bias_grad
+#: Whether the per-tensor quantize of a tensor runs the Triton kernels.
+kernels_in_use = _quantize_kernels.kernels_in_use
 
 
 _torch_compat.keep_out_of_dynamo(globals(), __name__)

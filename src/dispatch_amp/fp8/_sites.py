@@ -11,9 +11,10 @@ Names (``_naming.py``) are for checkpoints, reports and ``filter_fn``: a site ha
 path its weight is held under, the first being the name its state is filed under. A
 weight that no module holds (computed in the forward) has none.
 
-Per role the state is three small device tensors (``RoleState``), updated in place by
-``copy_`` of a whole new value (the only mutation AOTAutograd takes inside a backward)
-or by the Triton kernels on CUDA.
+Per role the state is three small device tensors (``RoleState``, with named fields over
+them), updated in place by ``copy_`` of a whole new value (the only mutation AOTAutograd
+takes inside a backward) or by the Triton kernels on CUDA. ``_state.Fp8State`` owns a
+recipe's sites.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections.abc import Iterable
 
 import torch
 
-from ..kernels.fp8_scale import F_HISTORY, F_SCALE, NO_PENDING
+from ..kernels.fp8_scale import F_AMAX, F_HISTORY, F_INIT, F_PENDING, F_SCALE, F_SHOWN, I_CALLS, I_SATURATED, pack
 from . import _naming
 
 __all__ = ["ROLES", "RoleState", "Site", "SiteRegistry", "Origin"]
@@ -40,11 +41,15 @@ _SLOT = "_dispatch_amp_fp8_sites"
 
 
 class RoleState:
-    """One role's state on one device: ``f`` and ``i`` in the layout of
-    ``kernels/fp8_scale.py`` (the delayed scale, the last call's amax and scale, the
-    initialized flag, the pending amax, the amax history; saturated values, calls, the
-    running call's saturated count) and ``acc`` (int32: the running call's amax as float32
-    bits, for the kernels).
+    """One role's state on one device, as named fields over the packed tensors the kernels
+    update in place: ``f`` (float32) and ``i`` (int64) in the layout of
+    ``kernels/fp8_scale.py`` (where the offsets are defined, once), and ``acc`` (int32: the
+    running call's amax as float32 bits, for the kernels).
+
+    Named fields (views, so writing through them writes the state): ``scale`` (delayed
+    scaling's scale), ``amax`` and ``shown`` (the last call's amax and scale used),
+    ``initialized``, ``pending`` (an amax waiting for the cross-rank reduction),
+    ``history`` (newest first), ``saturated`` and ``calls`` (so far).
 
     ``ready`` is what the host knows of the initialized flag; ``probe`` a copy of the flag
     on its way to the host.
@@ -54,6 +59,8 @@ class RoleState:
         >>> r = RoleState(4, torch.device("cpu"))
         >>> r.f.tolist()
         [1.0, 0.0, 0.0, 0.0, -1.0, 0.0, 0.0, 0.0, 0.0]
+        >>> r.scale.item(), r.history.shape
+        (1.0, torch.Size([4]))
     """
 
     __slots__ = ("f", "i", "acc", "ready", "probe")
@@ -63,7 +70,7 @@ class RoleState:
         # them in place later (see "fp8" in docs/design.md).
         with torch.inference_mode(False):
             if f is None:
-                f = torch.tensor([1.0, 0.0, 0.0, 0.0, NO_PENDING] + [0.0] * history_len, dtype=torch.float32)
+                f = pack(torch.zeros(history_len))
             self.f = f.to(device=device, dtype=torch.float32, copy=True)
             self.i = torch.zeros(3, dtype=torch.int64, device=device)
             self.acc = torch.zeros(1, dtype=torch.int32, device=device)
@@ -75,12 +82,36 @@ class RoleState:
         return self.f.device
 
     @property
+    def scale(self) -> torch.Tensor:
+        return self.f[F_SCALE]
+
+    @property
+    def amax(self) -> torch.Tensor:
+        return self.f[F_AMAX]
+
+    @property
+    def shown(self) -> torch.Tensor:
+        return self.f[F_SHOWN]
+
+    @property
+    def initialized(self) -> torch.Tensor:
+        return self.f[F_INIT]
+
+    @property
+    def pending(self) -> torch.Tensor:
+        return self.f[F_PENDING]
+
+    @property
     def history(self) -> torch.Tensor:
         return self.f[F_HISTORY:]
 
     @property
-    def scale(self) -> torch.Tensor:
-        return self.f[F_SCALE]
+    def saturated(self) -> torch.Tensor:
+        return self.i[I_SATURATED]
+
+    @property
+    def calls(self) -> torch.Tensor:
+        return self.i[I_CALLS]
 
     def moved(self, device: torch.device) -> RoleState:
         """This state on ``device`` (itself if it is there); statistics restart."""

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..kernels.fp8_scale import NO_PENDING
+from ..kernels.fp8_scale import pack
 from ._sites import ROLES
 
 __all__ = ["parse", "portable", "from_portable", "entries", "CONFIG", "COPY_SCALE"]
@@ -38,7 +38,7 @@ COPY_SCALE = "weight_copy_scale"
 
 
 def _fail(msg: str):
-    raise ValueError(f"DelayedScaling.load_state_dict(): {msg}")
+    raise ValueError(f"DelayedScaling.load_state_dict(): {msg}")  # the one recipe whose state this is
 
 
 def _not_meta(where: str, key: str, value) -> None:
@@ -70,8 +70,7 @@ def _role_f(name: str, role: str, history, scale, initialized, n: int) -> torch.
         init = bool(initialized.item())
     else:
         _fail(f"{where}: expected a 0-d initialized flag of 0 or 1")
-    head = torch.tensor([scale.item(), 0.0, 0.0, float(init), NO_PENDING])
-    return torch.cat([head, history])
+    return pack(history, scale=scale.item(), initialized=float(init))
 
 
 def _shown(key: str, value) -> str:
@@ -139,11 +138,10 @@ def _copy_scale(name: str, value) -> torch.Tensor:
     return value
 
 
-def entries(f: torch.Tensor, role: str) -> dict[str, torch.Tensor]:
-    """One role's checkpoint entries from its ``RoleState.f``."""
-    f = f.detach()
-    return {f"{role}_history": f[5:].clone(), f"{role}_scale": f[0].clone(),
-            f"{role}_initialized": (f[3] > 0).clone()}
+def entries(state, role: str) -> dict[str, torch.Tensor]:
+    """One role's checkpoint entries from its ``RoleState`` (named fields)."""
+    return {f"{role}_history": state.history.detach().clone(), f"{role}_scale": state.scale.detach().clone(),
+            f"{role}_initialized": (state.initialized.detach() > 0).clone()}
 
 
 def portable(state: dict) -> dict:

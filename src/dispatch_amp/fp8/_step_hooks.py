@@ -1,6 +1,6 @@
-"""What recipes do when an optimizer steps: one global optimizer pre-step hook and one
-post-step hook, installed while some recipe needs them and removed by themselves when none
-does.
+"""What recipes' states do when an optimizer steps: one global optimizer pre-step hook and
+one post-step hook, installed while some recipe's state (``_state.Fp8State``) needs them
+and removed by themselves when none does.
 
 Before the step, the fp8 weight cache is emptied (the weights are about to change; the
 quantized copies are freed before the optimizer allocates its own state). After the step,
@@ -21,36 +21,36 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 __all__ = ["watch", "watching"]
 
 _lock = threading.Lock()
-_recipes: weakref.WeakSet = weakref.WeakSet()
+_watched: weakref.WeakSet = weakref.WeakSet()
 _handles: list = []
 
 
 def _before_step(optimizer, args, kwargs) -> None:
-    for recipe in list(_recipes):
-        recipe._before_optimizer_step(optimizer)
+    for state in list(_watched):
+        state.before_optimizer_step(optimizer)
 
 
 def _after_step(optimizer, args, kwargs) -> None:
-    for recipe in list(_recipes):
-        recipe._after_optimizer_step(optimizer)
+    for state in list(_watched):
+        state.after_optimizer_step(optimizer)
     with _lock:
-        if not _recipes and _handles:
+        if not _watched and _handles:
             for handle in _handles:
                 handle.remove()
             _handles.clear()
 
 
-def watch(recipe) -> None:
-    """Calls ``recipe._before_optimizer_step(optimizer)`` before and
-    ``recipe._after_optimizer_step(optimizer)`` after every optimizer step while
-    ``recipe`` exists."""
+def watch(state) -> None:
+    """Calls ``state.before_optimizer_step(optimizer)`` before and
+    ``state.after_optimizer_step(optimizer)`` after every optimizer step while ``state``
+    (a recipe's ``Fp8State``) exists."""
     with _lock:
-        _recipes.add(recipe)
+        _watched.add(state)
         if not _handles:
             _handles.append(register_optimizer_step_pre_hook(_before_step))
             _handles.append(register_optimizer_step_post_hook(_after_step))
 
 
-def watching(recipe) -> bool:
-    """Whether ``recipe`` is watched."""
-    return recipe in _recipes
+def watching(state) -> bool:
+    """Whether ``state`` is watched."""
+    return state in _watched

@@ -45,7 +45,7 @@ except ImportError:  # pragma: no cover - exercised only on machines without tri
 from ._launch import launch, use_triton
 from .unscale import BACKENDS
 
-__all__ = ["record_", "F_SCALE", "F_AMAX", "F_SHOWN", "F_INIT", "F_PENDING", "F_HISTORY", "I_SATURATED", "I_CALLS",
+__all__ = ["record_", "pack", "F_SCALE", "F_AMAX", "F_SHOWN", "F_INIT", "F_PENDING", "F_HISTORY", "I_SATURATED", "I_CALLS",
            "I_ACC_SATURATED", "NO_PENDING", "FLOAT32_MAX", "floor_power_of_two", "scale_from_amax_reference",
            "record_reference", "advance_reference"]
 
@@ -55,6 +55,20 @@ I_SATURATED, I_CALLS, I_ACC_SATURATED = 0, 1, 2
 NO_PENDING = -1.0
 FLOAT32_MAX = torch.finfo(torch.float32).max
 _float32 = torch.float32
+
+
+def pack(history: torch.Tensor, *, scale: float = 1.0, initialized: float = 0.0) -> torch.Tensor:
+    """One role's ``f`` (float32, the layout above) from its named fields: the delayed
+    scale, the initialized flag and the amax history; no call recorded, no amax pending.
+
+    Example::
+
+        >>> pack(torch.zeros(2), scale=224.0, initialized=1.0).tolist()
+        [224.0, 0.0, 0.0, 1.0, -1.0, 0.0, 0.0]
+    """
+    head = torch.zeros(F_HISTORY, dtype=_float32)
+    head[F_SCALE], head[F_INIT], head[F_PENDING] = scale, initialized, NO_PENDING
+    return torch.cat([head, history.detach().to("cpu", _float32).reshape(-1)])
 
 
 def floor_power_of_two(s: torch.Tensor) -> torch.Tensor:
@@ -170,6 +184,9 @@ if triton is not None:
         sc_ptr,  # float32: the scale the call used
         snap_ptr,  # int64 [2]: receives (amax bits, count) when SNAPSHOT
         L,  # history length
+        # The layout's offsets (F_* and I_* above, the one place they are defined).
+        O_SCALE: tl.constexpr, O_AMAX: tl.constexpr, O_SHOWN: tl.constexpr, O_INIT: tl.constexpr,
+        O_PENDING: tl.constexpr, O_HISTORY: tl.constexpr, O_SATURATED: tl.constexpr, O_CALLS: tl.constexpr,
         HISTORY: tl.constexpr, DEFER: tl.constexpr, MOST_RECENT: tl.constexpr, FP8_MAX: tl.constexpr,
         MARGIN_MUL: tl.constexpr, POW2: tl.constexpr, RESET: tl.constexpr, SNAPSHOT: tl.constexpr,
         BLOCK_L: tl.constexpr,
@@ -183,29 +200,29 @@ if triton is not None:
         if RESET:  # ready for the next call's kernels
             tl.store(acc_ptr, tl.zeros_like(a_bits))
             tl.store(sat_ptr, tl.zeros_like(sat))
-        tl.store(f_ptr + 1, a)
-        tl.store(f_ptr + 2, tl.load(sc_ptr))
-        tl.store(i_ptr, tl.load(i_ptr) + sat)
-        tl.store(i_ptr + 1, tl.load(i_ptr + 1) + 1)
+        tl.store(f_ptr + O_AMAX, a)
+        tl.store(f_ptr + O_SHOWN, tl.load(sc_ptr))
+        tl.store(i_ptr + O_SATURATED, tl.load(i_ptr + O_SATURATED) + sat)
+        tl.store(i_ptr + O_CALLS, tl.load(i_ptr + O_CALLS) + 1)
         if HISTORY:
             if DEFER:
-                p = tl.load(f_ptr + 4)
-                tl.store(f_ptr + 4, tl.where(a != a, a, tl.where(p != p, p, tl.maximum(p, a))))
+                p = tl.load(f_ptr + O_PENDING)
+                tl.store(f_ptr + O_PENDING, tl.where(a != a, a, tl.where(p != p, p, tl.maximum(p, a))))
             else:
                 j = tl.arange(0, BLOCK_L)
-                older = tl.load(f_ptr + 4 + j, mask=(j > 0) & (j < L), other=0.0)
+                older = tl.load(f_ptr + O_HISTORY - 1 + j, mask=(j > 0) & (j < L), other=0.0)
                 history = tl.where(j == 0, a, older)
                 tl.debug_barrier()  # every old entry read before any is overwritten
-                tl.store(f_ptr + 5 + j, history, mask=j < L)
+                tl.store(f_ptr + O_HISTORY + j, history, mask=j < L)
                 if MOST_RECENT:
                     ref = a
                 else:  # amaxes are >= 0 or nan: the integer max of the bits is the max, nan winning
                     ref = tl.max(history.to(tl.int32, bitcast=True), axis=0).to(tl.float32, bitcast=True)
                 keep = (ref == 0) | ~(tl.abs(ref) < float("inf"))
-                scale = tl.load(f_ptr)
-                tl.store(f_ptr, tl.where(keep, scale, scale_of(ref, FP8_MAX, MARGIN_MUL, POW2)))
-                init = tl.load(f_ptr + 3)
-                tl.store(f_ptr + 3, tl.where((a > 0) & (a < float("inf")), 1.0, init))
+                scale = tl.load(f_ptr + O_SCALE)
+                tl.store(f_ptr + O_SCALE, tl.where(keep, scale, scale_of(ref, FP8_MAX, MARGIN_MUL, POW2)))
+                init = tl.load(f_ptr + O_INIT)
+                tl.store(f_ptr + O_INIT, tl.where((a > 0) & (a < float("inf")), 1.0, init))
 
 
 def record_(f: torch.Tensor, i: torch.Tensor, amax_acc: torch.Tensor, saturated_acc: torch.Tensor,
@@ -232,7 +249,9 @@ def record_(f: torch.Tensor, i: torch.Tensor, amax_acc: torch.Tensor, saturated_
         n = f.numel() - F_HISTORY
         with torch.no_grad():
             launch(_record_kernel, (1,), f, i, amax_acc, saturated_acc, scale_used,
-                   snapshot if snapshot is not None else i, n, HISTORY=bool(history), DEFER=bool(defer),
+                   snapshot if snapshot is not None else i, n, O_SCALE=F_SCALE, O_AMAX=F_AMAX, O_SHOWN=F_SHOWN,
+                   O_INIT=F_INIT, O_PENDING=F_PENDING, O_HISTORY=F_HISTORY, O_SATURATED=I_SATURATED,
+                   O_CALLS=I_CALLS, HISTORY=bool(history), DEFER=bool(defer),
                    MOST_RECENT=bool(most_recent), FP8_MAX=float(fp8_max), MARGIN_MUL=2.0 ** -margin,
                    POW2=bool(power_of_two), RESET=bool(reset), SNAPSHOT=snapshot is not None,
                    BLOCK_L=max(16, triton.next_power_of_2(max(n, 1))), num_warps=1)
