@@ -23,6 +23,9 @@ the GPU-bound model, where host time should hide. Then each model compiled
 (``compile.time_compiled``: the loss function compiled with inductor, each compiled
 configuration's first call timed as its compile time, then the four eager/compiled
 configurations interleaved), ResNet-50 first: its compiled gap is the open question.
+Last, GPT-2 small's and ResNet-50's eager step with ours on the other engine (the Python
+engine, where this process runs the compiled one), in a child process of its own
+(``engine_variants``): reported beside the default engine's rows, without a target.
 
 Targets (read on the median of per-round ratios): eager ours/native <= 1.03 (step, and
 step with GradScaler), compiled <= 1.01, GPT-2 medium <= 1.01, accumulation with
@@ -46,6 +49,7 @@ from benchmarks.suites.common import (ESTIMATORS_NOTE, Table, amp_dtype, dtype_n
                                       ratio_columns, verdict)
 from benchmarks.timing import interleaved, prefixed, ratio_stats
 
+from . import engine_variants
 from .settings import Settings
 from .targets import Target
 
@@ -300,4 +304,5 @@ def compiled(s: Settings):
 
 def sections(s: Settings) -> list:
     """(name, generator function) in the order they run."""
-    return [("eager", lambda: eager(s)), ("gpu-bound", lambda: gpu_bound(s)), ("compiled", lambda: compiled(s))]
+    return [("eager", lambda: eager(s)), ("gpu-bound", lambda: gpu_bound(s)), ("compiled", lambda: compiled(s)),
+            ("other engines", lambda: engine_variants.section(s))]
