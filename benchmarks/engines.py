@@ -1,9 +1,10 @@
 """Both engines against native, on this CPU: what each adds to a host-bound step.
 
-    python -m benchmarks.engines [--rounds 15] [--models gpt2,resnet50,mlp]
+    python -m benchmarks.engines [--rounds 15] [--models gpt2,resnet50,mlp] [--only compiled,unbatched,python]
 
 Each engine runs in a process of its own (``DISPATCH_AMP_ENGINE`` is read once per
-process), against native ``torch.autocast`` in that same process, interleaved, on the
+process; the compiled engine twice: batching its weight casts, the default, and
+``unbatched``, with ``DISPATCH_AMP_BATCH_CASTS=0``), against native ``torch.autocast`` in that same process, interleaved, on the
 trivial-width models of the host-cost suite (``benchmarks/suites/host_cost.py``): the
 added milliseconds per forward + loss, and ours/native for the forward, the training
 step, the 4-micro-batch accumulation step (plain and inside ``cast_cache()``) and an eval
@@ -26,6 +27,12 @@ import subprocess
 import sys
 import time
 
+BATCH_ENV = "DISPATCH_AMP_BATCH_CASTS"  # autocast/_compiled_engine.py's switch
+# The rows: the compiled engine twice, batching its weight casts (the default) and casting
+# each weight at its use, as it did before batching; then the Python engine.
+ROWS = {"compiled": ("compiled", "compiled", {}),
+        "unbatched": ("compiled", "compiled, unbatched", {BATCH_ENV: "0"}),
+        "python": ("python", "python", {})}
 MODELS = {"gpt2": "GPT-2 structure", "resnet50": "ResNet-50 structure", "mlp": "MLP 24 x 64"}
 
 
@@ -94,25 +101,34 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--models", default="gpt2,resnet50,mlp", help="comma-separated: " + ", ".join(MODELS))
+    p.add_argument("--only", default="", help="comma-separated rows: " + ", ".join(ROWS) + " (default: all)")
     p.add_argument("--child", choices=["python", "compiled"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     unknown = [m for m in models if m not in MODELS]
     if unknown:
         p.error(f"unknown model(s) {unknown}; choose from {sorted(MODELS)}")
+    unknown = [r for r in args.only.split(",") if r and r not in ROWS]
+    if unknown:
+        p.error(f"unknown row(s) {unknown}; choose from {list(ROWS)}")
     if args.child:
         print(json.dumps(_measure(models, args.rounds)))
         return 0
     rows = []
-    for engine in ("compiled", "python"):
-        env = {**os.environ, "DISPATCH_AMP_ENGINE": engine}
+    # The compiled engine twice: batching its weight casts (the default), and casting each
+    # weight at its use (DISPATCH_AMP_BATCH_CASTS=0), as it did before batching.
+    only = [r for r in args.only.split(",") if r] or list(ROWS)
+    for key in only:
+        engine, label, extra = ROWS[key]
+        env = {**os.environ, "DISPATCH_AMP_ENGINE": engine, **extra}
         cmd = [sys.executable, "-m", "benchmarks.engines", "--child", engine, "--rounds", str(args.rounds),
                "--models", ",".join(models)]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if out.returncode != 0:
-            rows.append({"engine": engine, "error": (out.stderr.strip().splitlines() or ["failed"])[-1]})
+            rows.append({"engine": label, "error": (out.stderr.strip().splitlines() or ["failed"])[-1]})
             continue
-        rows.extend(json.loads(out.stdout.strip().splitlines()[-1]))
+        for row in json.loads(out.stdout.strip().splitlines()[-1]):
+            rows.append({**row, "engine": label})
     print(table(rows))
     return 0
 
