@@ -1,15 +1,17 @@
 """Both engines against native, on this CPU: what each adds to a host-bound step.
 
-    python -m benchmarks.engines [--rounds 15] [--models gpt2,resnet50,mlp] [--only compiled,unbatched,python]
+    python -m benchmarks.engines [--rounds 15] [--models gpt2,resnet50,mlp] [--no-unbatched]
 
 Each engine runs in a process of its own (``DISPATCH_AMP_ENGINE`` is read once per
-process; the compiled engine twice: batching its weight casts, the default, and
-``unbatched``, with ``DISPATCH_AMP_BATCH_CASTS=0``), against native ``torch.autocast`` in that same process, interleaved, on the
+process), against native ``torch.autocast`` in that same process, interleaved, on the
 trivial-width models of the host-cost suite (``benchmarks/suites/host_cost.py``): the
 added milliseconds per forward + loss, and ours/native for the forward, the training
 step, the 4-micro-batch accumulation step (plain and inside ``cast_cache()``) and an eval
 loop of 8 forwards inside ``cast_cache()``. Ratios are printed by both estimators with
-their bootstrap intervals (``timing.ratio_stats``).
+their bootstrap intervals (``timing.ratio_stats``). The compiled engine's process also
+measures it with its weight casts batched off (``compiled, unbatched``: each weight cast at
+its use, as before batching), interleaved in the same rounds, so that the two compare
+under the same load.
 
 The clock is this thread's CPU time (``time.thread_time``), with torch on one thread: on
 CPU the whole step runs on the calling thread, and other processes on a shared machine
@@ -27,16 +29,25 @@ import subprocess
 import sys
 import time
 
-BATCH_ENV = "DISPATCH_AMP_BATCH_CASTS"  # autocast/_compiled_engine.py's switch
-# The rows: the compiled engine twice, batching its weight casts (the default) and casting
-# each weight at its use, as it did before batching; then the Python engine.
-ROWS = {"compiled": ("compiled", "compiled", {}),
-        "unbatched": ("compiled", "compiled, unbatched", {BATCH_ENV: "0"}),
-        "python": ("python", "python", {})}
 MODELS = {"gpt2": "GPT-2 structure", "resnet50": "ResNet-50 structure", "mlp": "MLP 24 x 64"}
 
 
-def _measure(models: list[str], rounds: int) -> list[dict]:
+def _unbatched(fn):
+    """``fn`` run with the compiled engine's weight casts one by one (batching off)."""
+    from dispatch_amp.autocast import _compiled_engine
+
+    def run():
+        before = _compiled_engine.set_batching(False)
+        try:
+            fn()
+        finally:
+            _compiled_engine.set_batching(before)
+    return run
+
+
+def _measure(models: list[str], rounds: int, unbatched: bool) -> list[dict]:
+    """Rows of ours against native; with ``unbatched`` (compiled engine), a second row of
+    ours with batching off, interleaved in the same rounds (same process, same load)."""
     import torch
 
     import dispatch_amp
@@ -45,31 +56,39 @@ def _measure(models: list[str], rounds: int) -> list[dict]:
 
     torch.set_num_threads(1)
     engine = dispatch_amp.engine()
+    variants = {"ours": (engine, lambda fn: fn)}
+    if unbatched and engine == "compiled":
+        variants["unbatched"] = ("compiled, unbatched", _unbatched)
     rows = []
 
     def ms(fns, calls):
         return {k: [t * 1e3 for t in v] for k, v in interleaved(fns, rounds, calls=calls, timer=time.thread_time).items()}
 
+    def ours(make):
+        return {v: wrap(make()) for v, (_, wrap) in variants.items()}
+
     for key in models:
         name = MODELS[key]
         model, batch = hc.MODELS[name]()
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        f = ms({"native": hc._forward(model, batch, "native"), "ours": hc._forward(model, batch, "ours")}, 5)
-        s = ms({"native": hc._step(model, batch, "native", opt), "ours": hc._step(model, batch, "ours", opt)}, 3)
-        row = {"engine": engine, "model": name, "native_forward_ms": statistics.median(f["native"]),
-               "added_ms": statistics.median([o - n for o, n in zip(f["ours"], f["native"])]),
-               "forward": ratio_stats(f["ours"], f["native"]), "step": ratio_stats(s["ours"], s["native"])}
+        f = ms({"native": hc._forward(model, batch, "native"), **ours(lambda: hc._forward(model, batch, "ours"))}, 5)
+        s = ms({"native": hc._step(model, batch, "native", opt), **ours(lambda: hc._step(model, batch, "ours", opt))}, 3)
         if key == "gpt2":
             batches = [batch] * 4
             a = ms({"native": hc._accumulate(model, batches, "native", opt, False),
-                    "ours": hc._accumulate(model, batches, "ours", opt, False),
-                    "keep": hc._accumulate(model, batches, "ours", opt, True)}, 1)
+                    **ours(lambda: hc._accumulate(model, batches, "ours", opt, False)),
+                    **{f"keep-{v}": t for v, t in ours(lambda: hc._accumulate(model, batches, "ours", opt, True)).items()}}, 1)
             e = ms({"native": hc._eval_loop(model, [batch] * 8, "native", False),
-                    "keep": hc._eval_loop(model, [batch] * 8, "ours", True)}, 1)
-            row["accumulate"] = ratio_stats(a["ours"], a["native"])
-            row["accumulate_cast_cache"] = ratio_stats(a["keep"], a["native"])
-            row["eval_cast_cache"] = ratio_stats(e["keep"], e["native"])
-        rows.append(row)
+                    **{f"keep-{v}": t for v, t in ours(lambda: hc._eval_loop(model, [batch] * 8, "ours", True)).items()}}, 1)
+        for v, (label, _) in variants.items():
+            row = {"engine": label, "model": name, "native_forward_ms": statistics.median(f["native"]),
+                   "added_ms": statistics.median([o - n for o, n in zip(f[v], f["native"])]),
+                   "forward": ratio_stats(f[v], f["native"]), "step": ratio_stats(s[v], s["native"])}
+            if key == "gpt2":
+                row["accumulate"] = ratio_stats(a[v], a["native"])
+                row["accumulate_cast_cache"] = ratio_stats(a[f"keep-{v}"], a["native"])
+                row["eval_cast_cache"] = ratio_stats(e[f"keep-{v}"], e["native"])
+            rows.append(row)
     return rows
 
 
@@ -101,34 +120,27 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--models", default="gpt2,resnet50,mlp", help="comma-separated: " + ", ".join(MODELS))
-    p.add_argument("--only", default="", help="comma-separated rows: " + ", ".join(ROWS) + " (default: all)")
+    p.add_argument("--no-unbatched", action="store_true",
+                   help="leave out the compiled engine's row with batching off")
     p.add_argument("--child", choices=["python", "compiled"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     unknown = [m for m in models if m not in MODELS]
     if unknown:
         p.error(f"unknown model(s) {unknown}; choose from {sorted(MODELS)}")
-    unknown = [r for r in args.only.split(",") if r and r not in ROWS]
-    if unknown:
-        p.error(f"unknown row(s) {unknown}; choose from {list(ROWS)}")
     if args.child:
-        print(json.dumps(_measure(models, args.rounds)))
+        print(json.dumps(_measure(models, args.rounds, not args.no_unbatched)))
         return 0
     rows = []
-    # The compiled engine twice: batching its weight casts (the default), and casting each
-    # weight at its use (DISPATCH_AMP_BATCH_CASTS=0), as it did before batching.
-    only = [r for r in args.only.split(",") if r] or list(ROWS)
-    for key in only:
-        engine, label, extra = ROWS[key]
-        env = {**os.environ, "DISPATCH_AMP_ENGINE": engine, **extra}
+    for engine in ("compiled", "python"):
+        env = {**os.environ, "DISPATCH_AMP_ENGINE": engine}
         cmd = [sys.executable, "-m", "benchmarks.engines", "--child", engine, "--rounds", str(args.rounds),
-               "--models", ",".join(models)]
+               "--models", ",".join(models)] + (["--no-unbatched"] if args.no_unbatched else [])
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if out.returncode != 0:
-            rows.append({"engine": label, "error": (out.stderr.strip().splitlines() or ["failed"])[-1]})
+            rows.append({"engine": engine, "error": (out.stderr.strip().splitlines() or ["failed"])[-1]})
             continue
-        for row in json.loads(out.stdout.strip().splitlines()[-1]):
-            rows.append({**row, "engine": label})
+        rows.extend(json.loads(out.stdout.strip().splitlines()[-1]))
     print(table(rows))
     return 0
 

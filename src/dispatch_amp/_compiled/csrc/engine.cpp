@@ -360,8 +360,15 @@ struct BatchedWeightCast : public torch::autograd::Function<BatchedWeightCast> {
     ctx->set_materialize_grads(false);  // a cast unused: no gradient (not zeros) for its weight
     std::vector<at::Tensor> out;
     out.reserve(weights.size());
-    // The layout `_to_copy` gives (the weight's strides where dense).
-    for (const at::Tensor& w : weights) out.push_back(at::empty_like(w, w.options().dtype(dtype)));
+    // New tensors that nothing else sees yet: below autograd and the inplace/view layer,
+    // as `_to_copy`'s own allocation and copy run.
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    for (const at::Tensor& w : weights) {
+      auto options = w.options().dtype(dtype);
+      // The layout `_to_copy` gives: the weight's strides where it is dense.
+      out.push_back(w.is_non_overlapping_and_dense() ? at::empty_strided(w.sizes(), w.strides(), options)
+                                                     : at::empty_like(w, options));
+    }
     at::_foreach_copy_(out, weights);
     return out;
   }
@@ -489,6 +496,19 @@ at::Tensor batch_cast(Store& store, const at::Tensor& t, at::ScalarType dtype, u
   return casts[mine];
 }
 
+// Whether `record` is `plan`'s weights in its order (the common case: a training loop's
+// regions use the same weights in the same order), so that the plan need not be rebuilt.
+bool same_order(const Plan& plan, const std::vector<WeakImpl>& record) {
+  size_t i = 0;
+  for (const auto& bucket : plan.buckets) {
+    for (const WeakImpl& w : bucket) {
+      if (i >= record.size() || record[i]._unsafe_get_target() != w._unsafe_get_target()) return false;
+      ++i;
+    }
+  }
+  return i == record.size();
+}
+
 // This thread's outermost region closed: the casts of its buckets never handed out are cut
 // off (their node's edge to the weight, and their entry), and what it used is the plan of
 // the next region that starts as it did.
@@ -507,6 +527,7 @@ void region_closed() {
     }
   }
   if (done.record.empty()) return;
+  if (done.plan && same_order(*done.plan, done.record)) return;  // the plan it used stays
   auto plan = std::make_shared<Plan>();
   size_t n = done.record.size();
   size_t per = std::max(kMinBucket, (n + kBuckets - 1) / kBuckets);
