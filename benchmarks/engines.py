@@ -1,6 +1,6 @@
 """Both engines against native, on this CPU: what each adds to a host-bound step.
 
-    python -m benchmarks.engines [--rounds 15] [--models gpt2,resnet50,mlp] [--no-unbatched]
+    python -m benchmarks.engines [--rounds 15] [--models gpt2,resnet50,mlp] [--no-batched]
 
 Each engine runs in a process of its own (``DISPATCH_AMP_ENGINE`` is read once per
 process), against native ``torch.autocast`` in that same process, interleaved, on the
@@ -8,10 +8,10 @@ trivial-width models of the host-cost suite (``benchmarks/suites/host_cost.py``)
 added milliseconds per forward + loss, and ours/native for the forward, the training
 step, the 4-micro-batch accumulation step (plain and inside ``cast_cache()``) and an eval
 loop of 8 forwards inside ``cast_cache()``. Ratios are printed by both estimators with
-their bootstrap intervals (``timing.ratio_stats``). The compiled engine's process also
-measures it with its weight casts batched off (``compiled, unbatched``: each weight cast at
-its use, as before batching), interleaved in the same rounds, so that the two compare
-under the same load.
+their bootstrap intervals (``timing.ratio_stats``). The compiled engine's process
+measures it twice, interleaved in the same rounds so that the two compare under the same
+load: ``compiled, unbatched`` (each weight cast at its use, the default) and ``compiled,
+batched`` (``DISPATCH_AMP_BATCH_CASTS=1``: weight casts batched per region).
 
 The clock is this thread's CPU time (``time.thread_time``), with torch on one thread: on
 CPU the whole step runs on the calling thread, and other processes on a shared machine
@@ -32,22 +32,26 @@ import time
 MODELS = {"gpt2": "GPT-2 structure", "resnet50": "ResNet-50 structure", "mlp": "MLP 24 x 64"}
 
 
-def _unbatched(fn):
-    """``fn`` run with the compiled engine's weight casts one by one (batching off)."""
+def _batching(on: bool):
+    """A wrapper running ``fn`` with the compiled engine's weight casts batched (``on``) or
+    one by one."""
     from dispatch_amp.autocast import _compiled_engine
 
-    def run():
-        before = _compiled_engine.set_batching(False)
-        try:
-            fn()
-        finally:
-            _compiled_engine.set_batching(before)
-    return run
+    def wrap(fn):
+        def run():
+            before = _compiled_engine.set_batching(on)
+            try:
+                fn()
+            finally:
+                _compiled_engine.set_batching(before)
+        return run
+    return wrap
 
 
-def _measure(models: list[str], rounds: int, unbatched: bool) -> list[dict]:
-    """Rows of ours against native; with ``unbatched`` (compiled engine), a second row of
-    ours with batching off, interleaved in the same rounds (same process, same load)."""
+def _measure(models: list[str], rounds: int, both: bool) -> list[dict]:
+    """Rows of ours against native; under the compiled engine with ``both``, one row with
+    its weight casts batched and one without, interleaved in the same rounds (same
+    process, same load)."""
     import torch
 
     import dispatch_amp
@@ -57,8 +61,9 @@ def _measure(models: list[str], rounds: int, unbatched: bool) -> list[dict]:
     torch.set_num_threads(1)
     engine = dispatch_amp.engine()
     variants = {"ours": (engine, lambda fn: fn)}
-    if unbatched and engine == "compiled":
-        variants["unbatched"] = ("compiled, unbatched", _unbatched)
+    if both and engine == "compiled":
+        variants = {"ours": ("compiled, unbatched", _batching(False)),
+                    "batched": ("compiled, batched", _batching(True))}
     rows = []
 
     def ms(fns, calls):
@@ -120,8 +125,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--models", default="gpt2,resnet50,mlp", help="comma-separated: " + ", ".join(MODELS))
-    p.add_argument("--no-unbatched", action="store_true",
-                   help="leave out the compiled engine's row with batching off")
+    p.add_argument("--no-batched", action="store_true",
+                   help="the compiled engine as configured only (no batched/unbatched pair)")
     p.add_argument("--child", choices=["python", "compiled"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
@@ -129,13 +134,13 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown model(s) {unknown}; choose from {sorted(MODELS)}")
     if args.child:
-        print(json.dumps(_measure(models, args.rounds, not args.no_unbatched)))
+        print(json.dumps(_measure(models, args.rounds, not args.no_batched)))
         return 0
     rows = []
     for engine in ("compiled", "python"):
         env = {**os.environ, "DISPATCH_AMP_ENGINE": engine}
         cmd = [sys.executable, "-m", "benchmarks.engines", "--child", engine, "--rounds", str(args.rounds),
-               "--models", ",".join(models)] + (["--no-unbatched"] if args.no_unbatched else [])
+               "--models", ",".join(models)] + (["--no-batched"] if args.no_batched else [])
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if out.returncode != 0:
             rows.append({"engine": engine, "error": (out.stderr.strip().splitlines() or ["failed"])[-1]})

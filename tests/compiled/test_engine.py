@@ -6,7 +6,8 @@ values, in one autograd node. These tests hold it to what native gives: the same
 (losses, gradients, weights after steps), gradients ready at about native's point of the
 backward, a weight changed in place mid-region cast again, and native's one ``_to_copy``
 per weight wherever a user's tools look (dispatch modes, anomaly mode, torch.compile).
-Run under the compiled engine (the Python engine casts each weight at its use).
+Run under the compiled engine with batching switched on (it is off by default; the Python
+engine casts each weight at its use).
 """
 
 from __future__ import annotations
@@ -330,15 +331,23 @@ def test_a_weight_whose_requires_grad_changed_since_the_plan_is_left_out():
         assert p.grad is None or torch.equal(p.grad, q.grad)
 
 
-def test_the_environment_switch_turns_batching_off():
+@pytest.mark.parametrize("value,on", [(None, False), ("0", False), ("1", True)])
+def test_the_environment_switch_turns_batching_on(value, on):
     code = ("import dispatch_amp as amp, torch\n"
             "from dispatch_amp.autocast import _compiled_engine as ce\n"
             "with amp.autocast('cpu'):\n    pass\n"
             "print(amp.engine(), ce.batching())\n")
+    env = {k: v for k, v in os.environ.items() if k != _compiled_engine.BATCH_ENV}
+    if value is not None:
+        env[_compiled_engine.BATCH_ENV] = value
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "DISPATCH_AMP_ENGINE": "compiled", _compiled_engine.BATCH_ENV: "0"})
+                         env={**env, "DISPATCH_AMP_ENGINE": "compiled"})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["compiled", "False"]
+    assert out.stdout.split() == ["compiled", str(on)]
+
+
+def test_an_unknown_switch_value_is_refused():
+    code = "import dispatch_amp as amp\nwith amp.autocast('cpu'):\n    pass\n"
     bad = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "DISPATCH_AMP_ENGINE": "compiled", _compiled_engine.BATCH_ENV: "yes"})
     assert bad.returncode != 0 and _compiled_engine.BATCH_ENV in bad.stderr

@@ -18,7 +18,9 @@ Python engine builds; it decides nothing. This module is where the two meet:
   thread-local copy (``set_top``);
 - the weight-cast stores get C++ twins (``_cast_cache.use_native``), so that one cache
   serves both halves;
-- weight casts batched per region (``batching``): on unless ``DISPATCH_AMP_BATCH_CASTS=0``.
+- weight casts batched per region (``batching``): off unless ``DISPATCH_AMP_BATCH_CASTS=1``
+  (on this project's CPU measurements it did not make a step cheaper, see
+  docs/performance.md).
 
 See "The compiled engine" in docs/design.md.
 """
@@ -38,8 +40,8 @@ __all__ = ["active", "batching", "set_batching", "BATCH_ENV", "register", "prepa
 # Rule kinds, as engine.cpp numbers them.
 PYTHON, GIVEN, LOWER, FP32, PROMOTE, FP32_OPT_DTYPE = range(6)
 
-# Batching the weight casts of a region (engine.cpp, "batched weight casts"): on unless
-# this variable is "0" (read when the engine is chosen; ``set_batching`` switches it later).
+# Batching the weight casts of a region (engine.cpp, "batched weight casts"): off unless
+# this variable is "1" (read when the engine is chosen; ``set_batching`` switches it later).
 BATCH_ENV = "DISPATCH_AMP_BATCH_CASTS"
 
 _SIMPLE_RULES = {_handlers.lower: LOWER, _handlers.fp32: FP32, _handlers.promote: PROMOTE, _handlers.given: GIVEN}
@@ -86,11 +88,12 @@ def active():
 
 def _batching_setting() -> bool:
     raw = os.environ.get(BATCH_ENV, "").strip()
-    if raw in ("", "1"):
-        return True
-    if raw == "0":
+    if raw in ("", "0"):
         return False
-    raise ValueError(f"{BATCH_ENV}={raw!r}: use {BATCH_ENV}=0 to cast weights one by one, or 1 (the default) to batch them")
+    if raw == "1":
+        return True
+    raise ValueError(f"{BATCH_ENV}={raw!r}: use {BATCH_ENV}=1 to batch each region's weight casts, "
+                     f"or 0 (the default) to cast each weight at its use")
 
 
 def batching() -> bool:
@@ -114,7 +117,7 @@ def set_batching(on: bool) -> bool:
 
     Example::
 
-        before = set_batching(False)   # one _to_copy per weight, as native
+        before = set_batching(True)    # weight casts in buckets
         try:
             ...
         finally:

@@ -343,7 +343,9 @@ inline bool cacheable(const at::Tensor& t, at::ScalarType dtype) {
 // (`batch_active`) under anomaly mode and the JIT tracer, and wherever the call goes to
 // the Python kernels (dispatch modes, fake and functional tensors, functorch): what those
 // see is native's one cast per weight.
-std::atomic<bool> g_batching{true};
+// Off by default (the Python side sets it from DISPATCH_AMP_BATCH_CASTS): on this
+// project's CPU it made forwards dearer and steps no cheaper (docs/performance.md).
+std::atomic<bool> g_batching{false};
 // A plan's buckets: 16, so that a weight's gradient is ready at most a sixteenth of the
 // region's weights later than native's (DDP's buckets are as coarse on GPT-2 small); at
 // least two weights each, a single one being cast as native casts it.
