@@ -224,4 +224,16 @@ def test_engines_measures_both_engines_against_native():
                          cwd=REPO, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "MLP 24 x 64" in line]
-    assert [row.split("|")[1].strip() for row in rows] == ["compiled", "python"], out.stdout
+    assert [row.split("|")[1].strip() for row in rows] == ["compiled, unbatched", "compiled, batched", "python"], out.stdout
+
+
+@pytest.mark.needs_compiler
+def test_batched_casts_reports_native_unbatched_and_batched():
+    out = subprocess.run([sys.executable, "-m", "benchmarks.batched_casts", "--models", "mlp"],
+                         cwd=REPO, capture_output=True, text=True, timeout=HANG_GUARD_S,
+                         env={k: v for k, v in os.environ.items() if k != "DISPATCH_AMP_ENGINE"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith("| MLP 24 x 64")]
+    assert [row[2].strip() for row in rows] == ["native", "unbatched", "batched"], out.stdout
+    assert float(rows[0][-2]) == 0.0  # native against itself
+    assert all(int(row[3]) > 0 for row in rows)  # a step allocates

@@ -17,13 +17,17 @@ Python engine builds; it decides nothing. This module is where the two meet:
 - the thread's innermost context (``_engine._refresh``) is written to the C++ side's
   thread-local copy (``set_top``);
 - the weight-cast stores get C++ twins (``_cast_cache.use_native``), so that one cache
-  serves both halves.
+  serves both halves;
+- weight casts batched per region (``batching``): off unless ``DISPATCH_AMP_BATCH_CASTS=1``
+  (on this project's CPU measurements it did not make a step cheaper, see
+  docs/performance.md).
 
 See "The compiled engine" in docs/design.md.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -31,10 +35,14 @@ import torch
 from .. import _compiled, _torch_compat
 from . import _cast_cache, _handlers
 
-__all__ = ["active", "register", "prepare", "resolve_rule", "set_top", "PYTHON", "GIVEN", "LOWER", "FP32", "PROMOTE", "FP32_OPT_DTYPE"]
+__all__ = ["active", "batching", "set_batching", "BATCH_ENV", "register", "prepare", "resolve_rule", "set_top", "PYTHON", "GIVEN", "LOWER", "FP32", "PROMOTE", "FP32_OPT_DTYPE"]
 
 # Rule kinds, as engine.cpp numbers them.
 PYTHON, GIVEN, LOWER, FP32, PROMOTE, FP32_OPT_DTYPE = range(6)
+
+# Batching the weight casts of a region (engine.cpp, "batched weight casts"): off unless
+# this variable is "1" (read when the engine is chosen; ``set_batching`` switches it later).
+BATCH_ENV = "DISPATCH_AMP_BATCH_CASTS"
 
 _SIMPLE_RULES = {_handlers.lower: LOWER, _handlers.fp32: FP32, _handlers.promote: PROMOTE, _handlers.given: GIVEN}
 
@@ -72,9 +80,53 @@ def active():
                     torch.Tensor, torch.nn.Parameter, _cast_cache.lookup, resolve_rule,
                 )
                 _cast_cache.use_native(module)
+                module.set_batching(_batching_setting())
             engine.module = module
             engine.chosen = True
     return engine.module
+
+
+def _batching_setting() -> bool:
+    raw = os.environ.get(BATCH_ENV, "").strip()
+    if raw in ("", "0"):
+        return False
+    if raw == "1":
+        return True
+    raise ValueError(f"{BATCH_ENV}={raw!r}: use {BATCH_ENV}=1 to batch each region's weight casts, "
+                     f"or 0 (the default) to cast each weight at its use")
+
+
+def batching() -> bool:
+    """Whether the compiled engine batches each region's weight casts (False under the
+    Python engine, which casts each weight at its use).
+
+    Example::
+
+        >>> isinstance(batching(), bool)
+        True
+    """
+    module = ENGINE.module
+    return module is not None and module.batching()
+
+
+def set_batching(on: bool) -> bool:
+    """Switches the compiled engine's batched weight casts for the whole process (from the
+    next weight cast on); returns the previous setting. Results are the same bits either
+    way; off, every weight is cast at its use with its own ``_to_copy``, as native does.
+    Under the Python engine nothing changes and False is returned.
+
+    Example::
+
+        before = set_batching(True)    # weight casts in buckets
+        try:
+            ...
+        finally:
+            set_batching(before)
+    """
+    module = active()
+    if module is None:
+        return False
+    return bool(module.set_batching(bool(on)))
 
 
 def chosen_name() -> str | None:

@@ -366,6 +366,10 @@ def _uninstall(st: ThreadState, index: int) -> None:
     # torch.clear_autocast_cache. Code that replaces that function to keep native's casts
     # for a backward run after the region (torch's own tests of its global cache do) keeps
     # ours too: only the genuine function drops them.
+    if not st.regions:
+        compiled = _compiled_engine.ENGINE.module
+        if compiled is not None:  # its batched casts: unused ones cut off, the next plan made
+            compiled.region_closed()
     if not st.regions and torch.clear_autocast_cache is _NATIVE_CLEAR:
         _cast_cache.region_closed()
 

@@ -29,16 +29,21 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/anomaly_mode.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/frontend/tracer.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/tensor_memoryformats.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <list>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace {
@@ -79,6 +84,19 @@ std::atomic<uint64_t> g_generation{0};  // optimizer steps seen while a cast_cac
 // context's store is the per-region one, found without the GIL.
 std::atomic<int64_t> g_scopes{0};
 
+// -- batched weight casts: what one bucket's cast leaves ----------------------------------
+// A bucket is cast before most of its weights are used (see "batched weight casts" below).
+// Its mark records which of its casts a kernel has handed out since: at the region's close
+// the edges of the bucket's autograd node to the weights whose casts were never used are
+// cut (so nothing reaches a weight the region did not use), and their entries dropped.
+struct BatchMark {
+  explicit BatchMark(size_t n) : handed(new std::atomic<bool>[n]), size(n) {
+    for (size_t i = 0; i < n; ++i) handed[i].store(false, std::memory_order_relaxed);
+  }
+  std::unique_ptr<std::atomic<bool>[]> handed;
+  size_t size;
+};
+
 // -- the weight-cast cache ---------------------------------------------------------------
 // One store: the process's per-region cache or one cast_cache scope's. An entry holds the
 // weight (so its TensorImpl, the key, cannot be reused) and the storage it was cast from
@@ -93,9 +111,15 @@ struct Entry {
   uint64_t generation;
   at::Tensor cast;
   std::list<c10::TensorImpl*>::iterator order;
+  std::shared_ptr<BatchMark> mark;  // set when the cast came from a bucket
+  size_t slot = 0;                   // its place in the bucket
 };
 
-struct Store {
+struct Store;
+at::Tensor batch_cast(Store& store, const at::Tensor& t, at::ScalarType dtype, uint64_t generation);
+void note_use(const at::Tensor& t);
+
+struct Store : public std::enable_shared_from_this<Store> {
   std::mutex mu;
   std::unordered_map<c10::TensorImpl*, Entry> entries;
   std::list<c10::TensorImpl*> order;  // oldest first, for max_bytes
@@ -113,16 +137,49 @@ struct Store {
   // The entry's cast if it is fresh, else an undefined tensor (the stale entry is
   // dropped first: its cast's grad_fn holds the weight's accumulator, which records the
   // weight's shape when it is made, see _cast_cache.insert).
-  at::Tensor find(const at::Tensor& t, at::ScalarType dtype, uint64_t generation) {
+  // `batched`: whether a bucket's cast not handed out yet may be used. The Python kernels
+  // pass false: what they run (under dispatch modes, tracing) sees a cast made at its use,
+  // as native's, never one made ahead of it.
+  at::Tensor find(const at::Tensor& t, at::ScalarType dtype, uint64_t generation, bool batched = true) {
     Entry stale;
     {
       std::lock_guard<std::mutex> lock(mu);
       auto it = entries.find(t.unsafeGetTensorImpl());
       if (it == entries.end()) return at::Tensor();
-      if (fresh(it->second, t, dtype, generation)) return it->second.cast;
+      Entry& e = it->second;
+      if (fresh(e, t, dtype, generation)) {
+        if (!e.mark) return e.cast;
+        if (batched || e.mark->handed[e.slot].load(std::memory_order_relaxed)) {
+          e.mark->handed[e.slot].store(true, std::memory_order_relaxed);
+          return e.cast;
+        }
+      }
       stale = take(it);
     }
     return at::Tensor();  // `stale` goes here, outside the lock (freeing may run Python)
+  }
+
+  // Drops the entry of `impl` if it still holds slot `slot` of `mark` (a bucket's cast
+  // that was never handed out).
+  void drop_unused(c10::TensorImpl* impl, const BatchMark* mark, size_t slot) {
+    Entry gone;
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = entries.find(impl);
+    if (it == entries.end() || it->second.mark.get() != mark || it->second.slot != slot) return;
+    gone = take(it);
+    // `gone` is freed after the lock is released (declared before the guard).
+  }
+
+  // For a bucket being cast: whether `t` has a fresh entry (it is left out), dropping a
+  // stale one first (into `dropped`, freed by the caller before the bucket is cast: see
+  // `find` on why a stale cast must be gone before a new one is made).
+  bool has_fresh(const at::Tensor& t, at::ScalarType dtype, uint64_t generation, std::vector<Entry>& dropped) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = entries.find(t.unsafeGetTensorImpl());
+    if (it == entries.end()) return false;
+    if (fresh(it->second, t, dtype, generation)) return true;
+    dropped.push_back(take(it));
+    return false;
   }
 
   Entry take(std::unordered_map<c10::TensorImpl*, Entry>::iterator it) {
@@ -134,7 +191,7 @@ struct Store {
   }
 
   void keep(const at::Tensor& t, at::ScalarType dtype, uint32_t version, uint64_t generation,
-            const void* address, at::Tensor cast) {
+            const void* address, at::Tensor cast, std::shared_ptr<BatchMark> mark = nullptr, size_t slot = 0) {
     std::vector<Entry> dropped;
     std::lock_guard<std::mutex> lock(mu);
     auto key = t.unsafeGetTensorImpl();
@@ -150,6 +207,8 @@ struct Store {
     e.strides = t.strides().vec();
     e.generation = generation;
     e.cast = std::move(cast);
+    e.mark = std::move(mark);
+    e.slot = slot;
     order.push_back(key);
     e.order = std::prev(order.end());
     if (max_bytes >= 0) nbytes += static_cast<int64_t>(e.cast.nbytes());
@@ -202,11 +261,17 @@ struct Store {
 
   // The cached cast of weight `t` to `dtype`, made now (with grad mode on, as native
   // makes it) if there is none or it is stale; `to`: a Python callable making the cast
-  // (the GIL held by the caller), or None for t.to(dtype).
-  at::Tensor cast(const at::Tensor& t, at::ScalarType dtype, PyObject* to = nullptr) {
+  // (the GIL held by the caller), or None for t.to(dtype). `batch`: the compiled kernels'
+  // call, which may cast the bucket of `t` (see "batched weight casts").
+  at::Tensor cast(const at::Tensor& t, at::ScalarType dtype, PyObject* to = nullptr, bool batch = false) {
     uint64_t generation = g_generation.load(std::memory_order_acquire);
-    at::Tensor hit = find(t, dtype, generation);
+    if (batch) note_use(t);
+    at::Tensor hit = find(t, dtype, generation, batch);
     if (hit.defined()) return hit;
+    if (batch) {
+      at::Tensor batched = batch_cast(*this, t, dtype, generation);
+      if (batched.defined()) return batched;
+    }
     uint32_t version = t._version();
     bool has_storage = t.has_storage();
     const void* address = has_storage ? t.const_data_ptr() : nullptr;
@@ -252,6 +317,231 @@ inline bool cacheable(const at::Tensor& t, at::ScalarType dtype) {
   return t.requires_grad() && t.is_leaf() && t.scalar_type() == at::kFloat && dtype == tls.dtype &&
          !t.is_view() && !t.is_inference() && !c10::InferenceMode::is_enabled() &&
          at::autocast::is_autocast_cache_enabled() && !at::caching::is_cached_tensor(t);
+}
+
+// -- batched weight casts ------------------------------------------------------------------
+// Native casts each weight at its use, one `_to_copy` (and one backward node) per weight in
+// every region. Here the weights a thread's region used (in order of first use) become, when
+// its outermost region closes, the plan of the next region that starts with the same
+// weight: contiguous buckets of it. At a region's first miss of a weight its plan places,
+// the whole bucket is cast from the weights' current values in one multi-tensor copy inside
+// one autograd node (BatchedWeightCast, whose backward casts each gradient back to float32
+// as `_to_copy`'s does), and the casts go into the store as if each had been made at its
+// use. Nothing is reused across regions that native would not reuse: the plan holds weak
+// references and no values, and each region casts again (inside `cast_cache()` the casts a
+// scope keeps are left out of a bucket, as they are hits).
+//
+// Why buckets: autograd runs ready nodes newest first, so one node for all weights would
+// make every weight gradient ready only at the end of the backward (DDP would lose its
+// overlap); a bucket's gradients are ready when its first-used weight's is.
+//
+// A bucket leaves out what native would not cache, or not here: a weight freed, no longer
+// float32, on another device, not requiring grad, of another class (subclasses, DTensor),
+// a view, or already fresh in the store. A weight changed in place after its bucket's cast
+// and before its use fails the store's version test and is cast again at its use (the
+// bucket's unused cast is then cut off at the region's close, see BatchMark). Off
+// (`batch_active`) under anomaly mode and the JIT tracer, and wherever the call goes to
+// the Python kernels (dispatch modes, fake and functional tensors, functorch): what those
+// see is native's one cast per weight.
+// Off by default (the Python side sets it from DISPATCH_AMP_BATCH_CASTS): on this
+// project's CPU it made forwards dearer and steps no cheaper (docs/performance.md).
+std::atomic<bool> g_batching{false};
+// A plan's buckets: 16, so that a weight's gradient is ready at most a sixteenth of the
+// region's weights later than native's (DDP's buckets are as coarse on GPT-2 small); at
+// least two weights each, a single one being cast as native casts it.
+constexpr size_t kBuckets = 16;
+constexpr size_t kMinBucket = 2;
+constexpr size_t kPlansKept = 8;    // plans kept per thread, the most recently used first
+
+using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+using NodePtr = std::decay_t<decltype(std::declval<const at::Tensor&>().grad_fn())>;
+
+struct BatchedWeightCast : public torch::autograd::Function<BatchedWeightCast> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList weights,
+                                                at::ScalarType dtype) {
+    ctx->set_materialize_grads(false);  // a cast unused: no gradient (not zeros) for its weight
+    std::vector<at::Tensor> out;
+    out.reserve(weights.size());
+    // New tensors that nothing else sees yet: below autograd and the inplace/view layer,
+    // as `_to_copy`'s own allocation and copy run.
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    for (const at::Tensor& w : weights) {
+      auto options = w.options().dtype(dtype);
+      // The layout `_to_copy` gives: the weight's strides where it is dense.
+      out.push_back(w.is_non_overlapping_and_dense() ? at::empty_strided(w.sizes(), w.strides(), options)
+                                                     : at::empty_like(w, options));
+    }
+    at::_foreach_copy_(out, weights);
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list grads) {
+    torch::autograd::variable_list out(grads.size() + 1);  // the last: `dtype`'s, none
+    for (size_t i = 0; i < grads.size(); ++i)
+      if (grads[i].defined()) out[i] = grads[i].to(at::kFloat);  // as _to_copy_backward
+    return out;
+  }
+};
+
+struct Plan {
+  std::vector<std::vector<WeakImpl>> buckets;
+  std::unordered_map<c10::TensorImpl*, uint32_t> bucket_of;  // held alive by the weak refs
+};
+
+struct MadeBucket {
+  std::shared_ptr<BatchMark> mark;
+  NodePtr node;
+  std::vector<WeakImpl> weights;
+  std::weak_ptr<Store> store;
+};
+
+// This thread's outermost region: what it used, its plan, the buckets it cast.
+struct RegionBatch {
+  std::vector<WeakImpl> record;
+  std::unordered_set<c10::TensorImpl*> seen;
+  std::shared_ptr<Plan> plan;
+  std::vector<uint8_t> made;
+  std::vector<MadeBucket> made_buckets;
+};
+thread_local RegionBatch tl_region;
+// Plans, keyed by their first weight (held alive by the plan's weak reference).
+thread_local std::list<std::pair<c10::TensorImpl*, std::shared_ptr<Plan>>> tl_plans;
+
+inline bool batch_active() {
+  return g_batching.load(std::memory_order_relaxed) && !torch::autograd::AnomalyMode::is_enabled() &&
+         !torch::jit::tracer::isTracing();
+}
+
+void note_use(const at::Tensor& t) {
+  RegionBatch& rb = tl_region;
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  if (rb.record.empty()) {  // the region's first weight picks its plan
+    for (auto it = tl_plans.begin(); it != tl_plans.end(); ++it) {
+      if (it->first != impl) continue;
+      rb.plan = it->second;
+      rb.made.assign(rb.plan->buckets.size(), 0);
+      tl_plans.splice(tl_plans.begin(), tl_plans, it);
+      break;
+    }
+  }
+  if (rb.seen.insert(impl).second) rb.record.emplace_back(t.getIntrusivePtr());
+}
+
+// Whether `w` may join a bucket: what `cacheable` and the class test in
+// `plain_class_and_store` ask of a weight at its use, read without the GIL.
+bool batchable(const at::Tensor& w, at::ScalarType dtype) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
+  if (!cacheable(w, dtype) || w.device().type() != tls.device || !w.has_storage()) return false;
+  if (!(w.key_set() & g.to_python).empty() || w.is_meta()) return false;
+  PyObject* own = w.unsafeGetTensorImpl()->pyobj_slot()->load_pyobj();
+  if (own != nullptr) {
+    PyTypeObject* type = Py_TYPE(own);
+    if (type != g.tensor_type && type != g.parameter_type) return false;
+  }
+  return true;
+#else
+  return false;  // the class test needs the GIL before torch 2.13: no batching there
+#endif
+}
+
+at::Tensor batch_cast(Store& store, const at::Tensor& t, at::ScalarType dtype, uint64_t generation) {
+  RegionBatch& rb = tl_region;
+  if (!rb.plan) return at::Tensor();
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  auto found = rb.plan->bucket_of.find(impl);
+  if (found == rb.plan->bucket_of.end()) return at::Tensor();
+  uint32_t b = found->second;
+  if (rb.made[b]) return at::Tensor();  // cast already: `t` changed since, or was left out
+  rb.made[b] = 1;
+  std::vector<at::Tensor> weights;
+  size_t mine = SIZE_MAX;
+  {
+    std::vector<Entry> dropped;  // stale entries, freed before the bucket is cast
+    for (const WeakImpl& weak : rb.plan->buckets[b]) {
+      auto strong = weak.lock();
+      if (!strong) continue;
+      if (strong.get() == impl) {
+        mine = weights.size();
+        weights.push_back(t);
+        continue;
+      }
+      at::Tensor w(std::move(strong));
+      if (!batchable(w, dtype) || store.has_fresh(w, dtype, generation, dropped)) continue;
+      weights.push_back(std::move(w));
+    }
+  }
+  if (mine == SIZE_MAX || weights.size() < 2) return at::Tensor();
+  std::vector<uint32_t> versions;
+  std::vector<const void*> addresses;
+  versions.reserve(weights.size());
+  addresses.reserve(weights.size());
+  for (const at::Tensor& w : weights) {
+    versions.push_back(w._version());
+    addresses.push_back(w.const_data_ptr());
+  }
+  torch::autograd::variable_list casts;
+  {
+    at::AutoGradMode grad_on(true);
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(g.autocast_keys);
+    casts = BatchedWeightCast::apply(at::TensorList(weights), dtype);
+  }
+  auto mark = std::make_shared<BatchMark>(weights.size());
+  mark->handed[mine].store(true, std::memory_order_relaxed);
+  MadeBucket made{mark, casts[0].grad_fn(), {}, store.weak_from_this()};
+  made.weights.reserve(weights.size());
+  for (size_t i = 0; i < weights.size(); ++i) {
+    store.keep(weights[i], dtype, versions[i], generation, addresses[i], casts[i], mark, i);
+    made.weights.emplace_back(weights[i].getIntrusivePtr());
+  }
+  rb.made_buckets.push_back(std::move(made));
+  return casts[mine];
+}
+
+// Whether `record` is `plan`'s weights in its order (the common case: a training loop's
+// regions use the same weights in the same order), so that the plan need not be rebuilt.
+bool same_order(const Plan& plan, const std::vector<WeakImpl>& record) {
+  size_t i = 0;
+  for (const auto& bucket : plan.buckets) {
+    for (const WeakImpl& w : bucket) {
+      if (i >= record.size() || record[i]._unsafe_get_target() != w._unsafe_get_target()) return false;
+      ++i;
+    }
+  }
+  return i == record.size();
+}
+
+// This thread's outermost region closed: the casts of its buckets never handed out are cut
+// off (their node's edge to the weight, and their entry), and what it used is the plan of
+// the next region that starts as it did.
+void region_closed() {
+  RegionBatch done;
+  std::swap(done, tl_region);
+  for (MadeBucket& m : done.made_buckets) {
+    for (size_t i = 0; i < m.mark->size; ++i) {
+      if (m.mark->handed[i].load(std::memory_order_relaxed)) continue;
+      // Written in place: set_next_edge refuses a node with a parent (it would raise the
+      // node's topological number); dropping an edge never needs that raised.
+      if (m.node) m.node->next_edges()[i] = torch::autograd::Edge();
+      auto store = m.store.lock();
+      auto weight = m.weights[i].lock();
+      if (store && weight) store->drop_unused(weight.get(), m.mark.get(), i);
+    }
+  }
+  if (done.record.empty()) return;
+  if (done.plan && same_order(*done.plan, done.record)) return;  // the plan it used stays
+  auto plan = std::make_shared<Plan>();
+  size_t n = done.record.size();
+  size_t per = std::max(kMinBucket, (n + kBuckets - 1) / kBuckets);
+  for (size_t i = 0; i < n; ++i) {
+    if (i % per == 0) plan->buckets.emplace_back();
+    plan->bucket_of[done.record[i]._unsafe_get_target()] = static_cast<uint32_t>(plan->buckets.size() - 1);
+    plan->buckets.back().push_back(std::move(done.record[i]));
+  }
+  c10::TensorImpl* key = plan->buckets[0][0]._unsafe_get_target();
+  tl_plans.remove_if([&](const auto& p) { return p.first == key; });
+  tl_plans.emplace_front(key, std::move(plan));
+  if (tl_plans.size() > kPlansKept) tl_plans.pop_back();
 }
 
 // Whether `t`'s Python class is torch.Tensor or Parameter (a subclass is never cached, as
@@ -326,7 +616,7 @@ at::Tensor cast_one(const at::Tensor& t, at::ScalarType dtype, CallState& cs) {
   if (d == dtype || d == at::kDouble || !at::isFloatingType(d) || t.device().type() != tls.device) return t;
   if (cacheable(t, dtype) && plain_class_and_store(t, cs)) {
     if (cs.python_store) return python_lookup(t, dtype);
-    return cs.store->cast(t, dtype);
+    return cs.store->cast(t, dtype, nullptr, batch_active());
   }
   return t.to(dtype);
 }
@@ -684,4 +974,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return s.cast(t, reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type, to.ptr());
       });
   m.def("region_store", [] { return g_region; });
+  m.def("set_batching", [](bool on) { return g_batching.exchange(on); });
+  m.def("batching", [] { return g_batching.load(); });
+  m.def("region_closed", &region_closed);
+  m.def("plans", [] {  // this thread's plans: the weights per bucket, most recent first
+    pybind11::list out;
+    for (const auto& p : tl_plans) {
+      pybind11::list buckets;
+      for (const auto& b : p.second->buckets) buckets.append(b.size());
+      out.append(buckets);
+    }
+    return out;
+  });
 }
