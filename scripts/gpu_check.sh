@@ -5,8 +5,8 @@
 #
 #   train    ours/native training steps, GPT-2 small and ResNet-50, eager and compiled;
 #            gradient accumulation, eval loop, the fp16-over-fp32 headline; GPT-2
-#            medium eager (GPU-bound); the eager step on the Python engine (a
-#            process of its own); each sample several steps, both ratio
+#            medium eager (GPU-bound); the eager step on the Python engine and
+#            with batched weight casts (a process each); each sample several steps, both ratio
 #            estimators with bootstrap 95% intervals                          (200 s)
 #   profile  torch.profiler summaries, ours against native, and Dynamo's logs  (70 s)
 #   fp8      the fp8 suite with kernel tables, DelayedScaling's first calls,

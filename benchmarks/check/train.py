@@ -23,8 +23,8 @@ the GPU-bound model, where host time should hide. Then each model compiled
 (``compile.time_compiled``: the loss function compiled with inductor, each compiled
 configuration's first call timed as its compile time, then the four eager/compiled
 configurations interleaved), ResNet-50 first: its compiled gap is the open question.
-Last, GPT-2 small's and ResNet-50's eager step with ours on the other engine (the Python
-engine, where this process runs the compiled one), in a child process of its own
+Last, GPT-2 small's and ResNet-50's eager step with ours on the Python engine and on the
+compiled engine with weight casts batched per region, each in a child process of its own
 (``engine_variants``): reported beside the default engine's rows, without a target.
 
 Targets (read on the median of per-round ratios): eager ours/native <= 1.03 (step, and
