@@ -1,0 +1,127 @@
+"""The block-scaled fp8 ``linear``: an autograd Function with three block-scaled gemms.
+
+Each gemm takes its operands quantized along the dimension it contracts (DeepSeek-V3's
+recipe)::
+
+    forward       y  = x  @ w.T     x: 1 x 128 tiles along K      w:   128 x 128 blocks
+    grad_input    dx = dy @ w       dy: 1 x 128 tiles along N     w.T: the same blocks, transposed
+    grad_weight   dw = dy.T @ x     dy: 128 x 1 tiles along M     x:   128 x 1 tiles along M
+
+So the forward reads ``x`` once for two layouts (``q`` with 1 x 128 scales for its own
+gemm, ``q_t`` with 128 x 1 scales kept for grad_weight), and the weight once for ``w_q``
+and, when the input gradient will be asked for, ``w_q.T`` with the same block scales; the
+backward reads ``dy`` once for its two layouts. The backward keeps only the fp8 layouts
+(and their scales) it will use. The bias is added to the float32 accumulator; the output
+is in the region's dtype and gradients in the dtypes of the tensors they belong to, the
+bias gradient summed in float32 in ``kernels.bias_grad``'s fixed order.
+
+Scales come from the current tensors only (no state): the rule is ``kernels/fp8_block.py``'s,
+the gemm ``_block_gemm.py``'s. A backward with ``create_graph=True`` is refused (its
+gradients would need a differentiable block-scaled gemm), with the fix in the message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from .. import _torch_compat
+from ..kernels import bias_grad, quantize_blocks, quantize_tiles
+
+from ._block_gemm import block_mm
+
+__all__ = ["BlockOptions", "block_fp8_linear"]
+
+# The device types autocast knows, read once (as in _linear.py).
+_AUTOCAST_DEVICES = frozenset(
+    d for d in ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "ipu") if torch.amp.is_autocast_available(d)
+)
+
+
+def _native_off(device_type: str):
+    # Native autocast would cast the emulated gemm's float32 matmul again.
+    if device_type in _AUTOCAST_DEVICES:
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+@dataclass(frozen=True)
+class BlockOptions:
+    """How a block-scaled linear quantizes: the formats of the forward operands and of the
+    output gradient, power-of-two scales, the tile length.
+
+    Example::
+
+        >>> BlockOptions().block
+        128
+    """
+
+    forward_format: torch.dtype = torch.float8_e4m3fn
+    grad_format: torch.dtype = torch.float8_e4m3fn
+    power_of_two: bool = False
+    block: int = 128
+
+
+class _BlockFp8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, options: BlockOptions, out_dtype: torch.dtype):
+        x2 = x.reshape(-1, weight.shape[1])
+        # Only the layouts the backward's gemms will take (grad mode is off in here).
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        fmt, pow2, b = options.forward_format, options.power_of_two, options.block
+        xq, x_inv, xq_t, xt_inv = quantize_tiles(x2.contiguous(), fmt, rowwise=True, colwise=need_dw,
+                                                 power_of_two=pow2, block=b)
+        wq, wq_t, w_inv = quantize_blocks(weight.contiguous(), fmt, write_qt=need_dx,
+                                          power_of_two=pow2, block=b)
+        bias_lo = None if bias is None else bias.to(out_dtype)
+        with _native_off(x.device.type):
+            y = block_mm(xq, x_inv, "1x128", wq, w_inv, "128x128", out_dtype, bias_lo, b)
+        ctx.save_for_backward(xq_t, xt_inv, wq_t, w_inv)
+        ctx.options = options
+        ctx.shapes = (x.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "BlockScaling's fp8 linear has no differentiable backward: a backward with create_graph=True "
+                "(a gradient penalty, say) cannot run through it. Run that step with CurrentScaling or "
+                "DelayedScaling, or outside the fp8 region."
+            )
+        xq_t, xt_inv, wq_t, w_inv = ctx.saved_tensors
+        x_shape, x_dtype, w_dtype, b_dtype = ctx.shapes
+        o = ctx.options
+        need_dx, need_dw, need_b = ctx.needs_input_grad[:3]
+        dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
+        dx = dw = db = None
+        with _native_off(dy.device.type):
+            if need_dx or need_dw:
+                dyq, dy_inv, dyq_t, dyt_inv = quantize_tiles(dy2, o.grad_format, rowwise=need_dx, colwise=need_dw,
+                                                             power_of_two=o.power_of_two, block=o.block)
+                if need_dx:  # contracts along N: dy's rows against w.T's rows (the weight's columns)
+                    dx = block_mm(dyq, dy_inv, "1x128", wq_t, w_inv.t(), "128x128", x_dtype, None,
+                                  o.block).reshape(x_shape)
+                if need_dw:  # contracts along M: the rows of dy.T and x.T
+                    dw = block_mm(dyq_t, dyt_inv, "1x128", xq_t, xt_inv, "1x128", w_dtype, None, o.block)
+            if need_b:
+                db = bias_grad(dy2).to(b_dtype)
+        return dx, dw, db, None, None
+
+
+def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+                     options: BlockOptions = BlockOptions()) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` as block-scaled fp8 gemms, output in ``out_dtype``.
+
+    Example::
+
+        >>> x, w = torch.randn(16, 32), torch.randn(8, 32)
+        >>> block_fp8_linear(x, w, None, torch.bfloat16).shape
+        torch.Size([16, 8])
+    """
+    return _BlockFp8Linear.apply(x, weight, bias, options, out_dtype)
+
+
+_torch_compat.keep_out_of_dynamo(globals(), __name__)
