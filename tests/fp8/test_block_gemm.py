@@ -113,10 +113,8 @@ def test_bad_scales_and_kinds_are_refused():
 
 
 def test_devices_without_the_gemm_get_an_error_naming_device_and_torch():
-    aq = torch.zeros(4, 128, device="meta", dtype=E4M3)
-    inv = torch.ones(4, 1, device="meta")
-    with pytest.raises(RuntimeError, match=rf"torch {re.escape(torch.__version__)}, device meta.*CurrentScaling"):
-        gemm.block_mm(aq, inv, "1x128", aq, inv, "1x128", torch.float32)
+    why = gemm.block_gemm_unsupported(torch.device("xpu"))
+    assert f"torch {torch.__version__}, device xpu" in why
 
 
 def test_cuda_support_names_the_capability(monkeypatch):
@@ -146,3 +144,37 @@ def test_scales_are_brought_to_the_layouts_scaled_mm_checks():
     assert torch.equal(padded[:6], w_inv.t()) and (padded[6:] == 0).all()
     padded_t = gemm._padded_blocks(w_inv.t())  # the weight transposed, for grad_input
     assert padded_t.shape == (4, 6) and padded_t.stride() == (1, 4) and torch.equal(padded_t[:3], w_inv)
+
+
+@pytest.mark.parametrize("m,k,n", [(256, 512, 384), (128, 128, 128), (200, 304, 208), (16, 144, 48), (4096, 256, 1040)])
+def test_the_cuda_paths_operands_pass_torchs_own_checks(m, k, n):
+    # torch's meta function of scaled_mm checks the scale layouts of each blockwise pairing
+    # as the CUDA kernel does; the three gemms of a linear with these shapes, tiles and scales
+    # made by the quantizers (ragged dimensions included) must pass them.
+    x, w = torch.randn(m, k), torch.randn(n, k)
+    dy = torch.randn(m, n)
+    xq, x_inv, xq_t, xt_inv = quantize_tiles(x, colwise=True)
+    wq, wq_t, w_inv = quantize_blocks(w, write_qt=True)
+    dyq, dy_inv, dyq_t, dyt_inv = quantize_tiles(dy, colwise=True)
+    meta = lambda t: t.to("meta")  # noqa: E731 - keeps the strides
+    bias = torch.zeros(n, dtype=torch.bfloat16, device="meta")
+    for a, a_inv, a_kind, b, b_inv, b_kind, rows, cols, b_ in [
+        (xq, x_inv, "1x128", wq, w_inv, "128x128", m, n, bias),  # forward
+        (dyq, dy_inv, "1x128", wq_t, w_inv.t(), "128x128", m, k, None),  # grad_input
+        (dyq_t, dyt_inv, "1x128", xq_t, xt_inv, "1x128", n, k, None),  # grad_weight
+    ]:
+        y = gemm.block_mm(meta(a), meta(a_inv), a_kind, meta(b), meta(b_inv), b_kind, torch.bfloat16, b_)
+        assert y.shape == (rows, cols) and y.dtype == torch.bfloat16
+
+
+def test_padding_to_whole_tiles_changes_nothing_in_the_rule():
+    # The CUDA path pads K (and a 128x128 operand's rows) with fp8 zeros: the rule applied
+    # to the padded operands gives the unpadded result.
+    a, b = _operands(50, 72, 200, seed=11)
+    aq, a_inv, _, _ = quantize_tiles(a)
+    bq, _, b_inv = quantize_blocks(b)
+    ap, bp = gemm._pad(aq, 50, 256), gemm._pad(bq, 128, 256)
+    assert ap.dtype == E4M3 and (ap.float()[:, 200:] == 0).all() and torch.equal(ap[:, :200].view(torch.uint8), aq.view(torch.uint8))
+    want = gemm.block_mm_by_rule(aq, a_inv, "1x128", bq, b_inv, "128x128", torch.float64)
+    got = gemm.block_mm_by_rule(ap, a_inv, "1x128", bp, b_inv, "128x128", torch.float64)[:, :72]
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)

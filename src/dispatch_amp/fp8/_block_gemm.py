@@ -29,7 +29,13 @@ Where it runs:
   result differs from the rule by float32 rounding only. Where torch, the device or the
   operands cannot take this gemm, :func:`block_mm` raises, naming the device, its
   capability and the torch version: it never falls back to other numbers.
+* Meta tensors: the CUDA path's shapes, checked by torch's own meta function of the gemm
+  (how the kernel counts and the tests of the layouts run without a GPU).
 * Other devices: an error saying so.
+
+A K that is not a multiple of 128 (or the outer dimension of a 128x128 operand) is
+zero-padded to one on the CUDA path, since torch counts those blocks as ``dim // 128``;
+the rule needs no padding (its scales already cover the partial tiles, as zero padding).
 """
 
 from __future__ import annotations
@@ -160,13 +166,36 @@ def _padded_blocks(inv: torch.Tensor) -> torch.Tensor:
     return out.t()
 
 
+def _pad(q: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    # fp8 zeros are zero bits: padded through a uint8 view (F.pad has no fp8 kernels).
+    if q.shape == (rows, cols):
+        return q.contiguous()
+    out = torch.nn.functional.pad(q.contiguous().view(torch.uint8), (0, cols - q.shape[1], 0, rows - q.shape[0]))
+    return out.view(q.dtype)
+
+
 def _scaled_mm(a, a_inv, a_kind, b_rows, b_inv, b_kind, out_dtype, bias):
+    """The CUDA path (and meta tensors' shapes). torch counts a 128x128 operand's blocks and
+    every operand's K blocks as ``dim // 128``: a K, or the outer dimension of a 128x128
+    operand, that is not a multiple of 128 is zero-padded to one (a copy of that operand;
+    exact, as in the rule, whose scales already count the partial tiles), and the result
+    is cut back."""
     st = _F.ScalingType
     kinds = {"1x128": (st.BlockWise1x128, _outer_major), "128x128": (st.BlockWise128x128, _padded_blocks)}
     (ra, fa), (rb, fb) = kinds[a_kind], kinds[b_kind]
+    m, k = a.shape
+    n = b_rows.shape[0]
+    kp = _round_up(k, 128)
+    mp = _round_up(m, 128) if a_kind == "128x128" else m
+    np_ = _round_up(n, 128) if b_kind == "128x128" else n
+    a, b_rows = _pad(a, mp, kp), _pad(b_rows, np_, kp)
     add_after = bias is not None and out_dtype == _float32  # the epilogue takes a bias in bf16/fp16 only
-    y = _F.scaled_mm(a.contiguous(), b_rows.contiguous().t(), fa(a_inv), ra, fb(b_inv), rb,
-                     bias=None if add_after else bias, output_dtype=out_dtype)
+    if bias is not None and not add_after and np_ != n:
+        bias = torch.nn.functional.pad(bias, (0, np_ - n))
+    y = _F.scaled_mm(a, b_rows.t(), fa(a_inv), ra, fb(b_inv), rb, bias=None if add_after else bias,
+                     output_dtype=out_dtype)
+    if (mp, np_) != (m, n):
+        y = y[:m, :n]
     return y + bias.to(_float32) if add_after else y
 
 
@@ -194,7 +223,8 @@ def block_mm(a: torch.Tensor, a_inv: torch.Tensor, a_kind: str, b_rows: torch.Te
                              f"{block}; got {inv.dtype} {tuple(inv.shape)}.")
     if a.device.type in BY_RULE_ON:
         return _block_mm_op(a, a_inv, a_kind, b_rows, b_inv, b_kind, out_dtype, bias, block)
-    why = block_gemm_unsupported(a.device, (a.dtype, b_rows.dtype))
+    # Meta tensors take the CUDA path's shapes (torch checks the scale layouts there too).
+    why = None if a.device.type == "meta" else block_gemm_unsupported(a.device, (a.dtype, b_rows.dtype))
     if why is None and block != 128:
         why = f"torch {torch.__version__}, device {a.device}: the gemm's tiles are 128 long, got block={block}"
     if why is not None:
