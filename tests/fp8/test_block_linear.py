@@ -88,3 +88,16 @@ def test_a_differentiable_backward_is_refused_with_the_fix():
     y = block_fp8_linear(x, w, b, torch.float32)
     with pytest.raises(RuntimeError, match="create_graph=True.*CurrentScaling"):
         torch.autograd.grad(y, x, dy, create_graph=True)
+
+
+def test_native_autocast_around_it_changes_no_bit():
+    # A backward run inside torch.autocast (or a forward under it) must not cast the rule's
+    # float32 matmuls to bfloat16.
+    results = []
+    for region in (False, True):
+        x, w, b, dy = _inputs((64, 256), 128, torch.float32, seed=10)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=region):
+            y = block_fp8_linear(x, w, b, torch.float32)
+            y.backward(dy)
+        results.append((y.detach(), x.grad, w.grad, b.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*results))

@@ -102,7 +102,11 @@ def block_mm_by_rule(a: torch.Tensor, a_inv: torch.Tensor, a_kind: str, b_rows: 
 @torch.library.custom_op("dispatch_amp::block_scaled_mm", mutates_args=())
 def _block_mm_op(a: torch.Tensor, a_inv: torch.Tensor, a_kind: str, b_rows: torch.Tensor, b_inv: torch.Tensor,
                  b_kind: str, out_dtype: torch.dtype, bias: torch.Tensor | None = None, block: int = 128) -> torch.Tensor:
-    return block_mm_by_rule(a, a_inv, a_kind, b_rows, b_inv, b_kind, out_dtype, bias, block)
+    # The rule's matmul is float32 whatever region calls it: native autocast (a backward
+    # run inside torch.autocast, say) would cast it again. Off here, inside the op, where
+    # no tracer sees the switch.
+    with torch.autocast(a.device.type, enabled=False):
+        return block_mm_by_rule(a, a_inv, a_kind, b_rows, b_inv, b_kind, out_dtype, bias, block)
 
 
 @_block_mm_op.register_fake

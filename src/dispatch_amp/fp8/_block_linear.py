@@ -15,6 +15,9 @@ backward reads ``dy`` once for its two layouts. The backward keeps only the fp8 
 is in the region's dtype and gradients in the dtypes of the tensors they belong to, the
 bias gradient summed in float32 in ``kernels.bias_grad``'s fixed order.
 
+Native autocast cannot reach inside: the gemm's rule switches it off itself
+(``_block_gemm.py``), and the quantizers have no op autocast casts.
+
 Scales come from the current tensors only (no state): the rule is ``kernels/fp8_block.py``'s,
 the gemm ``_block_gemm.py``'s. A backward with ``create_graph=True`` is refused (its
 gradients would need a differentiable block-scaled gemm), with the fix in the message.
@@ -22,7 +25,6 @@ gradients would need a differentiable block-scaled gemm), with the fix in the me
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -33,19 +35,6 @@ from ..kernels import bias_grad, quantize_blocks, quantize_tiles
 from ._block_gemm import block_mm
 
 __all__ = ["BlockOptions", "block_fp8_linear"]
-
-# The device types autocast knows, read once (as in _linear.py).
-_AUTOCAST_DEVICES = frozenset(
-    d for d in ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "ipu") if torch.amp.is_autocast_available(d)
-)
-
-
-def _native_off(device_type: str):
-    # Native autocast would cast the emulated gemm's float32 matmul again.
-    if device_type in _AUTOCAST_DEVICES:
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
-
 
 @dataclass(frozen=True)
 class BlockOptions:
@@ -76,8 +65,7 @@ class _BlockFp8Linear(torch.autograd.Function):
         wq, wq_t, w_inv = quantize_blocks(weight.contiguous(), fmt, write_qt=need_dx,
                                           power_of_two=pow2, block=b)
         bias_lo = None if bias is None else bias.to(out_dtype)
-        with _native_off(x.device.type):
-            y = block_mm(xq, x_inv, "1x128", wq, w_inv, "128x128", out_dtype, bias_lo, b)
+        y = block_mm(xq, x_inv, "1x128", wq, w_inv, "128x128", out_dtype, bias_lo, b)
         ctx.save_for_backward(xq_t, xt_inv, wq_t, w_inv)
         ctx.options = options
         ctx.shapes = (x.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -97,17 +85,16 @@ class _BlockFp8Linear(torch.autograd.Function):
         need_dx, need_dw, need_b = ctx.needs_input_grad[:3]
         dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
         dx = dw = db = None
-        with _native_off(dy.device.type):
-            if need_dx or need_dw:
-                dyq, dy_inv, dyq_t, dyt_inv = quantize_tiles(dy2, o.grad_format, rowwise=need_dx, colwise=need_dw,
-                                                             power_of_two=o.power_of_two, block=o.block)
-                if need_dx:  # contracts along N: dy's rows against w.T's rows (the weight's columns)
-                    dx = block_mm(dyq, dy_inv, "1x128", wq_t, w_inv.t(), "128x128", x_dtype, None,
-                                  o.block).reshape(x_shape)
-                if need_dw:  # contracts along M: the rows of dy.T and x.T
-                    dw = block_mm(dyq_t, dyt_inv, "1x128", xq_t, xt_inv, "1x128", w_dtype, None, o.block)
-            if need_b:
-                db = bias_grad(dy2).to(b_dtype)
+        if need_dx or need_dw:
+            dyq, dy_inv, dyq_t, dyt_inv = quantize_tiles(dy2, o.grad_format, rowwise=need_dx, colwise=need_dw,
+                                                         power_of_two=o.power_of_two, block=o.block)
+            if need_dx:  # contracts along N: dy's rows against w.T's rows (the weight's columns)
+                dx = block_mm(dyq, dy_inv, "1x128", wq_t, w_inv.t(), "128x128", x_dtype, None,
+                              o.block).reshape(x_shape)
+            if need_dw:  # contracts along M: the rows of dy.T and x.T
+                dw = block_mm(dyq_t, dyt_inv, "1x128", xq_t, xt_inv, "1x128", w_dtype, None, o.block)
+        if need_b:
+            db = bias_grad(dy2).to(b_dtype)
         return dx, dw, db, None, None
 
 
