@@ -148,11 +148,17 @@ def _padded(x: torch.Tensor, block: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, (-n) % block, 0, (-m) % block))
 
 
-def _cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    # fp8_cast's rule with a scale per element (broadcast from its tile's).
+def _cast(x: torch.Tensor, y: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    # fp8_cast's rule, given y = x * (the element's tile's scale).
     limit = fp8_max(fp8_dtype)
-    y = x * scale
-    return torch.where(torch.isfinite(x), y.clamp(-limit, limit), float("nan")).to(fp8_dtype)
+    return torch.where(torch.isfinite(x), y.clamp(-limit, limit), float("nan")).to(fp8_dtype).contiguous()
+
+
+def _times_tiles(xp: torch.Tensor, s: torch.Tensor, block: int, m: int, n: int) -> torch.Tensor:
+    # xp (zero-padded, Mp x Np) times s (Mp x Np / block), one scale per 1 x block tile,
+    # broadcast (not repeated), cut back to m x n.
+    mp, np_ = xp.shape
+    return (xp.view(mp, np_ // block, block) * s.view(mp, np_ // block, 1)).view(mp, np_)[:m, :n]
 
 
 def _scales(amax: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool):
@@ -182,18 +188,18 @@ def quantize_tiles_reference(t: torch.Tensor, fp8_dtype: torch.dtype = torch.flo
     m, n = t.shape
     with torch.no_grad():
         x = t.float()
-        xp = _padded(x, block).abs()
         q = q_inv = q_t = qt_inv = None
+        xp = _padded(x, block)
+        mp, np_ = xp.shape
         if rowwise:
-            amax = xp.reshape(xp.shape[0], xp.shape[1] // block, block).amax(-1)[:m]  # (M, ceil(N / block))
-            s, inv = _scales(amax, fp8_dtype, power_of_two)
-            q = _cast(x, s.repeat_interleave(block, 1)[:, :n], fp8_dtype)
-            q_inv = _outer_major(inv)
+            s, inv = _scales(xp.abs().view(mp, np_ // block, block).amax(-1), fp8_dtype, power_of_two)  # (Mp, Nb)
+            q = _cast(x, _times_tiles(xp, s, block, m, n), fp8_dtype)
+            q_inv = _outer_major(inv[:m])
         if colwise:
-            amax = xp.t().reshape(xp.shape[1], xp.shape[0] // block, block).amax(-1)[:n]  # (N, ceil(M / block))
-            s, inv = _scales(amax, fp8_dtype, power_of_two)
-            q_t = _cast(x.t(), s.repeat_interleave(block, 1)[:, :m], fp8_dtype).contiguous()
-            qt_inv = _outer_major(inv)
+            xpt = xp.t().contiguous()
+            s, inv = _scales(xpt.abs().view(np_, mp // block, block).amax(-1), fp8_dtype, power_of_two)  # (Np, Mb)
+            q_t = _cast(x.t(), _times_tiles(xpt, s, block, n, m), fp8_dtype)
+            qt_inv = _outer_major(inv[:n])
     return q, q_inv, q_t, qt_inv
 
 
@@ -212,11 +218,11 @@ def quantize_blocks_reference(t: torch.Tensor, fp8_dtype: torch.dtype = torch.fl
     m, n = t.shape
     with torch.no_grad():
         x = t.float()
-        xp = _padded(x, block).abs()
+        xp = _padded(x, block)
         mb, nb = xp.shape[0] // block, xp.shape[1] // block
-        amax = xp.reshape(mb, block, nb, block).amax((1, 3))
-        s, inv = _scales(amax, fp8_dtype, power_of_two)
-        q = _cast(x, s.repeat_interleave(block, 0).repeat_interleave(block, 1)[:m, :n], fp8_dtype)
+        s, inv = _scales(xp.abs().view(mb, block, nb, block).amax((1, 3)), fp8_dtype, power_of_two)
+        y = (xp.view(mb, block, nb, block) * s.view(mb, 1, nb, 1)).view(xp.shape)[:m, :n]
+        q = _cast(x, y, fp8_dtype)
     return (q if write_q else None), (q.t().contiguous() if write_qt else None), inv
 
 
