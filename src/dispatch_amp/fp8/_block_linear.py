@@ -39,7 +39,8 @@ __all__ = ["BlockOptions", "block_fp8_linear"]
 @dataclass(frozen=True)
 class BlockOptions:
     """How a block-scaled linear quantizes: the formats of the forward operands and of the
-    output gradient, power-of-two scales, the tile length.
+    output gradient, power-of-two scales, the tile length. Its methods are the quantizers
+    the linear calls (no statistics: a recipe's quantizer records them as well).
 
     Example::
 
@@ -52,22 +53,29 @@ class BlockOptions:
     power_of_two: bool = False
     block: int = 128
 
+    def tiles(self, t2: torch.Tensor, role: str, rowwise: bool, colwise: bool):
+        """``(q, q_inv, q_t, qt_inv)`` of an activation (``role`` "input") or an output
+        gradient ("grad_output"): ``kernels.quantize_tiles``."""
+        fmt = self.grad_format if role == "grad_output" else self.forward_format
+        return quantize_tiles(t2, fmt, rowwise=rowwise, colwise=colwise, power_of_two=self.power_of_two,
+                              block=self.block)
+
+    def blocks(self, weight: torch.Tensor, write_qt: bool):
+        """``(q, q_t, inv)`` of a weight: ``kernels.quantize_blocks``."""
+        return quantize_blocks(weight, self.forward_format, write_qt=write_qt, power_of_two=self.power_of_two,
+                               block=self.block)
+
 
 class _BlockFp8Linear(torch.autograd.Function):
+    # Takes the forward's fp8 operands ready-made (quantized outside, where recording a
+    # recipe's statistics is an ordinary side effect for torch.compile, as in _linear.py);
+    # the backward quantizes the output gradient through the same quantizer.
     @staticmethod
-    def forward(ctx, x, weight, bias, options: BlockOptions, out_dtype: torch.dtype):
-        x2 = x.reshape(-1, weight.shape[1])
-        # Only the layouts the backward's gemms will take (grad mode is off in here).
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        fmt, pow2, b = options.forward_format, options.power_of_two, options.block
-        xq, x_inv, xq_t, xt_inv = quantize_tiles(x2.contiguous(), fmt, rowwise=True, colwise=need_dw,
-                                                 power_of_two=pow2, block=b)
-        wq, wq_t, w_inv = quantize_blocks(weight.contiguous(), fmt, write_qt=need_dx,
-                                          power_of_two=pow2, block=b)
-        bias_lo = None if bias is None else bias.to(out_dtype)
-        y = block_mm(xq, x_inv, "1x128", wq, w_inv, "128x128", out_dtype, bias_lo, b)
+    def forward(ctx, x, weight, bias, xq, x_inv, xq_t, xt_inv, wq, wq_t, w_inv, bias_lo, quantizer,
+                out_dtype: torch.dtype):
+        y = block_mm(xq, x_inv, "1x128", wq, w_inv, "128x128", out_dtype, bias_lo, quantizer.block)
         ctx.save_for_backward(xq_t, xt_inv, wq_t, w_inv)
-        ctx.options = options
+        ctx.quantizer = quantizer
         ctx.shapes = (x.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
@@ -81,26 +89,29 @@ class _BlockFp8Linear(torch.autograd.Function):
             )
         xq_t, xt_inv, wq_t, w_inv = ctx.saved_tensors
         x_shape, x_dtype, w_dtype, b_dtype = ctx.shapes
-        o = ctx.options
+        quantizer = ctx.quantizer
         need_dx, need_dw, need_b = ctx.needs_input_grad[:3]
         dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
         dx = dw = db = None
         if need_dx or need_dw:
-            dyq, dy_inv, dyq_t, dyt_inv = quantize_tiles(dy2, o.grad_format, rowwise=need_dx, colwise=need_dw,
-                                                         power_of_two=o.power_of_two, block=o.block)
+            dyq, dy_inv, dyq_t, dyt_inv = quantizer.tiles(dy2, "grad_output", need_dx, need_dw)
             if need_dx:  # contracts along N: dy's rows against w.T's rows (the weight's columns)
                 dx = block_mm(dyq, dy_inv, "1x128", wq_t, w_inv.t(), "128x128", x_dtype, None,
-                              o.block).reshape(x_shape)
+                              quantizer.block).reshape(x_shape)
             if need_dw:  # contracts along M: the rows of dy.T and x.T
-                dw = block_mm(dyq_t, dyt_inv, "1x128", xq_t, xt_inv, "1x128", w_dtype, None, o.block)
+                dw = block_mm(dyq_t, dyt_inv, "1x128", xq_t, xt_inv, "1x128", w_dtype, None, quantizer.block)
         if need_b:
             db = bias_grad(dy2).to(b_dtype)
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None, None
 
 
 def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
-                     options: BlockOptions = BlockOptions()) -> torch.Tensor:
+                     quantizer=BlockOptions(), bias_lo: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` as block-scaled fp8 gemms, output in ``out_dtype``.
+
+    ``quantizer``: a :class:`BlockOptions`, or an object with its ``tiles``, ``blocks`` and
+    ``block``. ``bias_lo``: the bias already in ``out_dtype`` (else cast here). Only the
+    layouts the gradients asked for (by grad mode and ``requires_grad``) are made.
 
     Example::
 
@@ -108,7 +119,15 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         >>> block_fp8_linear(x, w, None, torch.bfloat16).shape
         torch.Size([16, 8])
     """
-    return _BlockFp8Linear.apply(x, weight, bias, options, out_dtype)
+    grad = torch.is_grad_enabled()
+    need_dx, need_dw = grad and x.requires_grad, grad and weight.requires_grad
+    x2 = x.reshape(-1, weight.shape[1]).contiguous()
+    xq, x_inv, xq_t, xt_inv = quantizer.tiles(x2, "input", True, need_dw)
+    wq, wq_t, w_inv = quantizer.blocks(weight.contiguous(), need_dx)
+    if bias_lo is None and bias is not None:
+        bias_lo = bias.to(out_dtype)
+    return _BlockFp8Linear.apply(x, weight, bias, xq, x_inv, xq_t, xt_inv, wq, wq_t, w_inv, bias_lo, quantizer,
+                                 out_dtype)
 
 
 _torch_compat.keep_out_of_dynamo(globals(), __name__)
