@@ -41,11 +41,19 @@ wants the scales of a 1 x 128 operand outer-dimension-major): ``quantize_tiles``
 (N, ceil(M / block)) with strides (1, N); ``quantize_blocks`` returns ``inv`` of shape
 (ceil(M / block), ceil(N / block)), contiguous (the scales of ``q_t`` are ``inv.T``).
 
-The Triton kernels take one ``block x block`` tile per program, masked at the edges, bf16
-loaded as raw 16-bit words; they share the cast and the scale with ``fp8_cast`` and
-``fp8_scale`` (``_quantize``, ``scale_of``), which is why they agree with the references
+The Triton kernel takes one ``block x block`` tile per program, masked at the edges, bf16
+loaded as raw 16-bit words; it shares the cast and the scale with ``fp8_cast`` and
+``fp8_scale`` (``_quantize``, ``scale_of``), which is why it agrees with the references
 bit for bit interpreted and compiled. With ``amax_acc`` (a one-element int32 holding
-float32 bits, as in ``fp8_amax``) they also accumulate the tensor's amax, for a report.
+float32 bits, as in ``fp8_amax``) it also accumulates the tensor's amax, for a report.
+
+Note: passes
+------------
+A program reads its tile 16 rows at a time (a whole 128 x 128 float32 tile does not fit
+in a thread's registers). 1 x 128 tiles lie within those rows: one pass. 128 x 1 tiles
+and 128 x 128 blocks need the amax of all 128 rows before the first cast, so the program
+reads its tile twice: the amaxes, then the casts (the second read comes from the cache:
+the tile was read just before, 64 KiB at most).
 """
 
 from __future__ import annotations
@@ -69,8 +77,12 @@ __all__ = ["quantize_tiles", "quantize_blocks", "quantize_tiles_reference", "qua
 # DeepSeek-V3's tile: 128 elements along the reduction dimension, 128 x 128 for weights.
 BLOCK = 128
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# A 128 x 128 float32 tile is 64 KiB: 8 warps give each thread 64 elements.
+# A program's tile is read _ROWS rows at a time (see "Note: passes"): 16 x 128 elements
+# over 8 warps are 8 a thread. ptxas (triton 3.9, sm_90) gives the tiles kernel 128
+# registers a thread and the blocks kernel 83, nothing spilled; whole 128 x 128 tiles in
+# registers took 255 and spilled over a thousand words a thread.
 _NUM_WARPS = 8
+_ROWS = 16
 
 
 if triton is not None:
@@ -92,45 +104,58 @@ if triton is not None:
         amax_ptr,  # int32 float32 bits of the tensor's amax (ACC_AMAX)
         M, N,
         s_stride0, s_stride1, st_stride0, st_stride1,
-        B: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr, BLOCKS: tl.constexpr,
+        B: tl.constexpr, R: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr, BLOCKS: tl.constexpr,
         WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr, ACC_AMAX: tl.constexpr, IS_BF16: tl.constexpr,
         FP8_MAX: tl.constexpr, SAT_ABOVE: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
         POW2: tl.constexpr,
     ):
+        # One B x B tile per program, read R rows at a time (see "Note: passes").
         pid = tl.program_id(0)
         tiles_n = tl.cdiv(N, B)
         tm = pid // tiles_n
         tn = pid % tiles_n
-        rows = tm.to(tl.int64) * B + tl.arange(0, B)
+        row0 = tm.to(tl.int64) * B
         cols = tn.to(tl.int64) * B + tl.arange(0, B)
-        in_rows = rows < M
         in_cols = cols < N
-        mask = in_rows[:, None] & in_cols[None, :]
-        # Masked lanes read 0: the zero padding of the rule, never stored.
-        x = _load_f32(x_ptr + rows[:, None] * N + cols[None, :], mask, IS_BF16, True)
-        # |x| as int32 bits: their integer max is the float max, a nan winning (fp8_cast's note).
-        x_abs = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        if ROWWISE:  # one scale per row of the tile: 1 x B
-            s = scale_of(tl.max(x_abs, axis=1).to(tl.float32, bitcast=True), FP8_MAX, 1.0, POW2)
-            bits, _a, _s = _quantize(x, s[:, None], FP8_MAX, SAT_ABOVE, MANT, BIAS)
-            tl.store(q_ptr + rows[:, None] * N + cols[None, :], bits.to(tl.uint8), mask=mask)
-            tl.store(s_ptr + rows * s_stride0 + tn * s_stride1, _inverse(s), mask=in_rows)
-        if COLWISE:  # one scale per column of the tile: B x 1, stored transposed
-            s = scale_of(tl.max(x_abs, axis=0).to(tl.float32, bitcast=True), FP8_MAX, 1.0, POW2)
-            bits, _a, _s = _quantize(x, s[None, :], FP8_MAX, SAT_ABOVE, MANT, BIAS)
-            tl.store(qt_ptr + cols[None, :] * M + rows[:, None], bits.to(tl.uint8), mask=mask)
-            tl.store(st_ptr + cols * st_stride0 + tm * st_stride1, _inverse(s), mask=in_cols)
-        if BLOCKS:  # one scale for the whole B x B block
-            s = scale_of(tl.max(tl.max(x_abs, axis=1), axis=0).to(tl.float32, bitcast=True), FP8_MAX, 1.0, POW2)
-            bits, _a, _s = _quantize(x, s, FP8_MAX, SAT_ABOVE, MANT, BIAS)
-            b8 = bits.to(tl.uint8)
-            if WRITE_Q:
-                tl.store(q_ptr + rows[:, None] * N + cols[None, :], b8, mask=mask)
-            if WRITE_QT:
-                tl.store(qt_ptr + cols[None, :] * M + rows[:, None], b8, mask=mask)
-            tl.store(s_ptr + tm * s_stride0 + tn * s_stride1, _inverse(s))
+        amax = tl.zeros([B], dtype=tl.int32)  # per column of the tile: |x| bits, nan winning
+        if COLWISE or BLOCKS:  # the first pass: the amaxes the scales need before any cast
+            for r in range(0, B, R):
+                rows = row0 + r + tl.arange(0, R)
+                mask = (rows < M)[:, None] & in_cols[None, :]
+                x = _load_f32(x_ptr + rows[:, None] * N + cols[None, :], mask, IS_BF16, True)
+                amax = tl.maximum(amax, tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0))
+            a_col = amax.to(tl.float32, bitcast=True)
+            s_col = scale_of(a_col, FP8_MAX, 1.0, POW2)
+            s_blk = scale_of(tl.max(amax, axis=0).to(tl.float32, bitcast=True), FP8_MAX, 1.0, POW2)
+            if COLWISE:
+                tl.store(st_ptr + cols * st_stride0 + tm * st_stride1, _inverse(s_col), mask=in_cols)
+            if BLOCKS:
+                tl.store(s_ptr + tm * s_stride0 + tn * s_stride1, _inverse(s_blk))
+        for r in range(0, B, R):
+            rows = row0 + r + tl.arange(0, R)
+            in_rows = rows < M
+            mask = in_rows[:, None] & in_cols[None, :]
+            x = _load_f32(x_ptr + rows[:, None] * N + cols[None, :], mask, IS_BF16, True)
+            if ROWWISE:  # one scale per row of the tile: 1 x B
+                x_abs = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+                s_row = scale_of(tl.max(x_abs, axis=1).to(tl.float32, bitcast=True), FP8_MAX, 1.0, POW2)
+                bits, _a, _s = _quantize(x, s_row[:, None], FP8_MAX, SAT_ABOVE, MANT, BIAS)
+                tl.store(q_ptr + rows[:, None] * N + cols[None, :], bits.to(tl.uint8), mask=mask)
+                tl.store(s_ptr + rows * s_stride0 + tn * s_stride1, _inverse(s_row), mask=in_rows)
+                if not (COLWISE or BLOCKS):
+                    amax = tl.maximum(amax, tl.max(x_abs, axis=0))
+            if COLWISE:  # one scale per column of the tile: B x 1, stored transposed
+                bits, _a, _s = _quantize(x, s_col[None, :], FP8_MAX, SAT_ABOVE, MANT, BIAS)
+                tl.store(qt_ptr + cols[None, :] * M + rows[:, None], bits.to(tl.uint8), mask=mask)
+            if BLOCKS:  # one scale for the whole B x B block
+                bits, _a, _s = _quantize(x, s_blk, FP8_MAX, SAT_ABOVE, MANT, BIAS)
+                b8 = bits.to(tl.uint8)
+                if WRITE_Q:
+                    tl.store(q_ptr + rows[:, None] * N + cols[None, :], b8, mask=mask)
+                if WRITE_QT:
+                    tl.store(qt_ptr + cols[None, :] * M + rows[:, None], b8, mask=mask)
         if ACC_AMAX:
-            tl.atomic_max(amax_ptr, tl.max(tl.max(x_abs, axis=1), axis=0))
+            tl.atomic_max(amax_ptr, tl.max(amax, axis=0))
 
 
 # --------------------------------------------------------------------------------------
@@ -267,7 +292,7 @@ def _accumulate(amax_acc, t) -> None:
 
 def _rule_args(t, fp8_dtype, power_of_two, block) -> dict:
     limit, mant, bias = _FORMATS[fp8_dtype]
-    return dict(B=block, IS_BF16=t.dtype == torch.bfloat16, FP8_MAX=limit, SAT_ABOVE=SATURATES_ABOVE[fp8_dtype],
+    return dict(B=block, R=min(block, _ROWS), IS_BF16=t.dtype == torch.bfloat16, FP8_MAX=limit, SAT_ABOVE=SATURATES_ABOVE[fp8_dtype],
                 MANT=mant, BIAS=bias, POW2=bool(power_of_two), num_warps=_NUM_WARPS)
 
 
