@@ -21,7 +21,7 @@ Example::
 
 from ._linear import fp8_linear
 from ._rules import fp8_max
-from .recipes import CurrentScaling, DelayedScaling, Format, Recipe, RowwiseScaling, SiteReport
+from .recipes import BlockScaling, CurrentScaling, DelayedScaling, Format, Recipe, RowwiseScaling, SiteReport
 
-__all__ = ["CurrentScaling", "DelayedScaling", "RowwiseScaling", "Recipe", "SiteReport", "Format", "fp8_linear",
+__all__ = ["BlockScaling", "CurrentScaling", "DelayedScaling", "RowwiseScaling", "Recipe", "SiteReport", "Format", "fp8_linear",
            "fp8_max"]

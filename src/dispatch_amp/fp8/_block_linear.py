@@ -30,11 +30,12 @@ from dataclasses import dataclass
 import torch
 
 from .. import _torch_compat
-from ..kernels import bias_grad, quantize_blocks, quantize_tiles
+from ..kernels import quantize_blocks, quantize_tiles
+from ..kernels import fp8_quantize as _kernels
 
 from ._block_gemm import block_mm
 
-__all__ = ["BlockOptions", "block_fp8_linear"]
+__all__ = ["BlockOptions", "RecipeQuantizer", "block_fp8_linear"]
 
 @dataclass(frozen=True)
 class BlockOptions:
@@ -64,6 +65,39 @@ class BlockOptions:
         """``(q, q_t, inv)`` of a weight: ``kernels.quantize_blocks``."""
         return quantize_blocks(weight, self.forward_format, write_qt=write_qt, power_of_two=self.power_of_two,
                                block=self.block)
+
+
+class RecipeQuantizer:
+    """The quantizer of a recipe's block-scaled call: its rule's formats and power-of-two
+    choice, the torch-or-Triton choice of ``kernels.fp8_quantize``, and the call's
+    statistics recorded on ``site`` (the forward's operands when ``record_forward``: a
+    recomputation records nothing; the output gradient always).
+
+    Example::
+
+        quantizer = RecipeQuantizer(recipe.state.rule, site, record_forward=True)
+    """
+
+    def __init__(self, rule, site, record_forward: bool) -> None:
+        self.rule = rule
+        self.site = site
+        self.record_forward = record_forward
+        self.block = rule.block
+
+    def _state(self, role: str):
+        if self.site is None or (role != "grad_output" and not self.record_forward):
+            return None, None
+        return self.site.roles[role], self.rule.record_rule(role)
+
+    def tiles(self, t2: torch.Tensor, role: str, rowwise: bool, colwise: bool):
+        state, record = self._state(role)
+        return _kernels.quantize_tiled(t2, self.rule.dtype(role), rowwise=rowwise, colwise=colwise,
+                                       power_of_two=self.rule.power_of_two, state=state, record=record)
+
+    def blocks(self, weight: torch.Tensor, write_qt: bool):
+        state, record = self._state("weight")
+        return _kernels.quantize_blocked(weight, self.rule.dtype("weight"), write_qt=write_qt,
+                                         power_of_two=self.rule.power_of_two, state=state, record=record)
 
 
 class _BlockFp8Linear(torch.autograd.Function):
@@ -101,7 +135,7 @@ class _BlockFp8Linear(torch.autograd.Function):
             if need_dw:  # contracts along M: the rows of dy.T and x.T
                 dw = block_mm(dyq_t, dyt_inv, "1x128", xq_t, xt_inv, "1x128", w_dtype, None, quantizer.block)
         if need_b:
-            db = bias_grad(dy2).to(b_dtype)
+            db = _kernels.bias_grad(dy2).to(b_dtype)
         return dx, dw, db, None, None, None, None, None, None, None, None, None, None
 
 
