@@ -201,3 +201,34 @@ def test_aot_eager_is_bit_identical_to_eager_in_one_graph(_fresh_dynamo):
     assert counter.frame_count == 1
     assert [(r.name, r.calls, r.amax, r.scale) for r in eager_recipe.report()] == [
         (r.name, r.calls, r.amax, r.scale) for r in recipe.report()]
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_activation_checkpointing_recomputes_bit_identically_and_records_once(reentrant):
+    def run(checkpointed):
+        model = _mlp()
+        recipe = fp8.BlockScaling().bind(model)
+        x = torch.randn(64, 128, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        out = []
+        for _ in range(2):
+            with amp.autocast("cpu", dtype=torch.bfloat16, fp8=recipe):
+                y = amp.checkpoint(model, x, use_reentrant=reentrant) if checkpointed else model(x)
+            y.float().pow(2).mean().backward()
+            out.append((y.detach(), x.grad.clone(), [p.grad.clone() for p in model.parameters()]))
+            model.zero_grad()
+            x.grad = None
+        return out, [(r.name, r.calls, r.amax) for r in recipe.report()]
+
+    (plain, plain_report), (ckpt, ckpt_report) = run(False), run(True)
+    for (ya, xa, ga), (yb, xb, gb) in zip(plain, ckpt):
+        assert torch.equal(ya, yb) and torch.equal(xa, xb) and all(torch.equal(a, b) for a, b in zip(ga, gb))
+    assert plain_report == ckpt_report and all(calls == 2 for _, calls, _ in ckpt_report)
+
+
+def test_copies_and_pickles_keep_the_configuration():
+    import copy
+    import pickle
+
+    recipe = fp8.BlockScaling(power_of_two=True)
+    for other in (pickle.loads(pickle.dumps(recipe)), copy.deepcopy(recipe)):
+        assert type(other) is fp8.BlockScaling and repr(other) == repr(recipe) and other.power_of_two is True
