@@ -18,6 +18,10 @@ On the Triton branch a per-tensor quantize is:
 * ``"first"`` (delayed scaling before that): the amax kernel first and the cast kernel
   choosing on the device between the history's scale and the amax's.
 
+Block scaling's operands (:func:`quantize_tiled`, :func:`quantize_blocked`, called by
+``fp8/_block_linear.py``) are one ``fp8_block`` kernel each, which also accumulates the
+operand's amax, then the statistics kernel; the torch branch is ``fp8_block``'s rule.
+
 :data:`BACKEND` picks: ``"auto"`` is the Triton kernels on CUDA and torch elsewhere;
 tests set ``"triton"`` to run the kernels through Triton's interpreter on CPU tensors.
 While torch.compile traces, always the torch rule (the compiler fuses it itself).
