@@ -232,3 +232,18 @@ def test_copies_and_pickles_keep_the_configuration():
     recipe = fp8.BlockScaling(power_of_two=True)
     for other in (pickle.loads(pickle.dumps(recipe)), copy.deepcopy(recipe)):
         assert type(other) is fp8.BlockScaling and repr(other) == repr(recipe) and other.power_of_two is True
+
+
+def test_inductor_compiles_it_in_one_graph(_fresh_dynamo):
+    # Each quantize is one op in the graph (kernels/fp8_block.py, "Under torch.compile"),
+    # running what runs eagerly; inductor fuses what lies around the fp8 path (the GELU and
+    # its backward, the casts), so an element may land one fp8 step away from eager's.
+    eager_model = _mlp()
+    eager = _steps(eager_model, fp8.BlockScaling().bind(eager_model), steps=2)
+    model = _mlp()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    got = _steps(torch.compile(model, backend=counter, fullgraph=True), fp8.BlockScaling().bind(model), steps=2)
+    for (loss_e, grads_e), (loss_c, grads_c) in zip(eager, got):
+        assert (loss_c - loss_e).abs() <= 0.01 * loss_e.abs()
+        assert all((a - b).norm() <= 0.04 * a.norm() for a, b in zip(grads_e, grads_c))
+    assert counter.frame_count == 1

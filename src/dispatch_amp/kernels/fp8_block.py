@@ -326,6 +326,14 @@ def quantize_tiles(t: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn
     _check_acc(amax_acc, t, "quantize_tiles")
     if not (rowwise or colwise):
         raise ValueError("quantize_tiles: nothing to write; ask for rowwise=True and/or colwise=True.")
+    if torch.compiler.is_compiling():  # one node of the graph (see "Note: torch.compile")
+        q, q_inv, q_t, qt_inv = _tiles_op(t.detach(), fp8_dtype, rowwise, colwise, power_of_two, block)
+        _accumulate(amax_acc, t)
+        if not rowwise:
+            q = q_inv = None
+        if not colwise:
+            q_t = qt_inv = None
+        return q, q_inv, q_t, qt_inv
     if not use_triton(backend, t.device, "quantize_tiles"):
         with torch.no_grad():
             _accumulate(amax_acc, t)
@@ -367,6 +375,10 @@ def quantize_blocks(t: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3f
     """
     _validate(t, fp8_dtype, block, "quantize_blocks", backend)
     _check_acc(amax_acc, t, "quantize_blocks")
+    if torch.compiler.is_compiling():  # one node of the graph (see "Note: torch.compile")
+        q, q_t, inv = _blocks_op(t.detach(), fp8_dtype, write_q, write_qt, power_of_two, block)
+        _accumulate(amax_acc, t)
+        return (q if write_q else None), (q_t if write_qt else None), inv
     if not use_triton(backend, t.device, "quantize_blocks"):
         with torch.no_grad():
             _accumulate(amax_acc, t)
@@ -385,3 +397,58 @@ def quantize_blocks(t: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3f
                    WRITE_Q=bool(write_q), WRITE_QT=bool(write_qt), ACC_AMAX=amax_acc is not None,
                    **_rule_args(t, fp8_dtype, power_of_two, block))
     return q, q_t, inv
+
+
+# --------------------------------------------------------------------------------------
+# Under torch.compile
+# --------------------------------------------------------------------------------------
+# Each quantize is one custom op in a compiled graph, which runs what an eager call runs
+# (the Triton kernel on CUDA, the torch rule elsewhere): inductor's CPU code generation
+# fails on the rule's two tilings of one tensor fused together (an assertion in its loop
+# split, torch 2.13), and on CUDA the kernel already reads each tile once for both
+# layouts. Layouts not asked for come back as empty tensors (an op returns tensors only).
+
+
+def _empty(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.new_empty(0, dtype=dtype)
+
+
+@torch.library.custom_op("dispatch_amp::quantize_tiles", mutates_args=())
+def _tiles_op(t: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool, colwise: bool, power_of_two: bool,
+              block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, q_inv, q_t, qt_inv = quantize_tiles(t, fp8_dtype, rowwise=rowwise, colwise=colwise,
+                                           power_of_two=power_of_two, block=block)
+    f32 = torch.float32
+    return (q if rowwise else _empty(t, fp8_dtype), q_inv if rowwise else _empty(t, f32),
+            q_t if colwise else _empty(t, fp8_dtype), qt_inv if colwise else _empty(t, f32))
+
+
+@_tiles_op.register_fake
+def _(t, fp8_dtype, rowwise, colwise, power_of_two, block):
+    m, n = t.shape
+    f32 = torch.float32
+    if rowwise:
+        q, q_inv = t.new_empty((m, n), dtype=fp8_dtype), t.new_empty((_cdiv(n, block), m), dtype=f32).t()
+    else:
+        q, q_inv = _empty(t, fp8_dtype), _empty(t, f32)
+    if colwise:
+        q_t, qt_inv = t.new_empty((n, m), dtype=fp8_dtype), t.new_empty((_cdiv(m, block), n), dtype=f32).t()
+    else:
+        q_t, qt_inv = _empty(t, fp8_dtype), _empty(t, f32)
+    return q, q_inv, q_t, qt_inv
+
+
+@torch.library.custom_op("dispatch_amp::quantize_blocks", mutates_args=())
+def _blocks_op(t: torch.Tensor, fp8_dtype: torch.dtype, write_q: bool, write_qt: bool, power_of_two: bool,
+               block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, q_t, inv = quantize_blocks(t, fp8_dtype, write_q=write_q, write_qt=write_qt, power_of_two=power_of_two,
+                                  block=block)
+    return (q if write_q else _empty(t, fp8_dtype)), (q_t if write_qt else _empty(t, fp8_dtype)), inv
+
+
+@_blocks_op.register_fake
+def _(t, fp8_dtype, write_q, write_qt, power_of_two, block):
+    m, n = t.shape
+    q = t.new_empty((m, n), dtype=fp8_dtype) if write_q else _empty(t, fp8_dtype)
+    q_t = t.new_empty((n, m), dtype=fp8_dtype) if write_qt else _empty(t, fp8_dtype)
+    return q, q_t, t.new_empty((_cdiv(m, block), _cdiv(n, block)), dtype=torch.float32)
