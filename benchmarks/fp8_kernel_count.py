@@ -31,7 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dispatch_amp import _markdown, fp8
-from dispatch_amp.fp8 import _gemms, fp8_linear
+from dispatch_amp.fp8 import _block_gemm, _gemms, fp8_linear
 from dispatch_amp.kernels import fp8_quantize
 from dispatch_amp.kernels._launch import counting_launches
 
@@ -42,6 +42,7 @@ RECIPES = {
     "delayed": fp8.DelayedScaling,
     "delayed (first call)": fp8.DelayedScaling,
     "rowwise": fp8.RowwiseScaling,
+    "block": fp8.BlockScaling,
 }
 FULL_SIZE = (4096, 8192, 16384)  # M x K x N
 TARGET = 20
@@ -67,14 +68,16 @@ class _Ops(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def _cuda_path():
-    previous = fp8_quantize.BACKEND, _gemms.BY_RULE_ON
+def _cuda_path(device: str = "meta"):
+    previous = fp8_quantize.BACKEND, _gemms.BY_RULE_ON, _block_gemm.BY_RULE_ON
     fp8_quantize.BACKEND = "triton"  # what "auto" picks on CUDA
     _gemms.BY_RULE_ON = frozenset()  # and torch._scaled_mm, also for the real run on a CPU
+    if device == "meta":  # and scaled_mm's block-scaled gemms, which torch's CPU kernel lacks
+        _block_gemm.BY_RULE_ON = frozenset()
     try:
         yield
     finally:
-        fp8_quantize.BACKEND, _gemms.BY_RULE_ON = previous
+        fp8_quantize.BACKEND, _gemms.BY_RULE_ON, _block_gemm.BY_RULE_ON = previous
 
 
 def _optimizer_step(x, weight, bias) -> None:
@@ -115,7 +118,7 @@ def count_kernels(recipe_name: str, size: tuple[int, int, int] = FULL_SIZE, devi
     """
     recipe = RECIPES[recipe_name]()
     x, weight, bias, dy = _tensors(*size, device)
-    with _cuda_path(), counting_launches(dry=device == "meta"):
+    with _cuda_path(device), counting_launches(dry=device == "meta"):
         if recipe_name == "delayed (first call)":
             recipe.state.prepare(recipe.state.site(weight), weight.device)  # the state bind would make
         else:

@@ -43,8 +43,30 @@ def test_per_tensor_recipes_are_within_the_target_at_full_size(counter, recipe):
     assert "_cast_transpose_dbias_kernel" in counts["triton"]  # the bias gradient: no pass of its own
 
 
-@pytest.mark.skipif(fp8_cast.triton is None or (not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"),
-                    reason="needs triton, and TRITON_INTERPRET=1 without a GPU")
+def test_block_scaling_is_within_the_target_at_full_size(counter):
+    counts = counter.count_kernels("block")
+    assert counts["kernels"] <= counter.TARGET, counts
+    assert counts["host_reads"] == 0
+    assert counts["torch"].count("_scaled_mm_v2") == 3  # scaled_mm with block scales: the three gemms
+    # One read each of x (both layouts), of the weight (w and w.T) and of dy (both layouts).
+    assert counts["triton"].count("_block_kernel") == 3
+
+
+needs_triton = pytest.mark.skipif(
+    fp8_cast.triton is None or (not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"),
+    reason="needs triton, and TRITON_INTERPRET=1 without a GPU")
+
+
+@needs_triton
+def test_block_scalings_recorded_launches_are_the_ones_that_run(counter):
+    # torch's CPU scaled_mm has no block scales: on a CPU the gemms run by their rule, so
+    # the Triton launches are compared, not the torch operators around the gemms.
+    full = counter.count_kernels("block")
+    small = counter.count_kernels("block", (128, 256, 384), device="cpu")
+    assert small["triton"] == full["triton"]
+
+
+@needs_triton
 @pytest.mark.parametrize("recipe", [
     "current", "delayed", "delayed (first call)",
     # torch 2.11's CPU _scaled_mm takes per-tensor scales only: there rowwise's gemms run by

@@ -93,6 +93,15 @@ _UNSCALE_ALIGNED = ("table_ptr", "inv_scale_ptr", "found_inf_ptr", "nonfinite_pt
 _UNSCALE_SIG_PER_TENSOR = {**_UNSCALE_SIG, "nonfinite_ptr": "*i32"}
 _UNSCALE_ALIGNED_PER_TENSOR = ("table_ptr", "inv_scale_ptr", "found_inf_ptr")
 
+_BLOCK_SIG = {
+    "x_ptr": "*fp32", "q_ptr": "*u8", "qt_ptr": "*u8", "s_ptr": "*fp32", "st_ptr": "*fp32", "amax_ptr": "*i32",
+    "M": "i32", "N": "i32", "s_stride0": "i32", "s_stride1": "i32", "st_stride0": "i32", "st_stride1": "i32",
+    **{name: "constexpr" for name in ("B", "R", "ROWWISE", "COLWISE", "BLOCKS", "WRITE_Q", "WRITE_QT", "ACC_AMAX",
+                                      "IS_BF16", "FP8_MAX", "SAT_ABOVE", "MANT", "BIAS", "POW2")},
+}
+_BLOCK_CONSTS = {"B": "BLOCK", "R": "_ROWS", "ACC_AMAX": True, "IS_BF16": False, "FP8_MAX": 448.0,
+                 "SAT_ABOVE": 464.0, "MANT": 3, "BIAS": 7, "POW2": False}
+
 KERNELS = (
     KernelSpec("unscale_check_", "unscale", "_unscale_check_kernel", _UNSCALE_SIG,
                {"BLOCK": "_BLOCK", "STORE": True, "PER_TENSOR": False}, "_NUM_WARPS",
@@ -115,6 +124,13 @@ KERNELS = (
                {"HAS_MIN": False, "HAS_MAX": False}, 4,
                aligned=("scale_ptr", "growth_tracker_ptr", "found_inf_ptr", "hysteresis_tracker_ptr",
                         "skipped_ptr", "floor_hits_ptr", "factors_ptr")),
+    # Block scaling's quantize: activations both ways from one read, and weights.
+    KernelSpec("quantize_tiles", "fp8_block", "_block_kernel", _BLOCK_SIG,
+               {**_BLOCK_CONSTS, "ROWWISE": True, "COLWISE": True, "BLOCKS": False, "WRITE_Q": False,
+                "WRITE_QT": False}, "_NUM_WARPS"),
+    KernelSpec("quantize_blocks", "fp8_block", "_block_kernel", _BLOCK_SIG,
+               {**_BLOCK_CONSTS, "ROWWISE": False, "COLWISE": False, "BLOCKS": True, "WRITE_Q": True,
+                "WRITE_QT": True}, "_NUM_WARPS"),
 )
 
 

@@ -1,8 +1,10 @@
 """fp8: fp8 training (``dispatch_amp.autocast(..., fp8=recipe)``) against bfloat16, and against torchao.
 
 Configurations: "bf16" (``dispatch_amp.autocast`` bfloat16 without fp8), "fp8 current",
-"fp8 delayed" and "fp8 rowwise" (the region with ``fp8.CurrentScaling()``,
-``DelayedScaling()``, ``RowwiseScaling()``), each eager and compiled (``torch.compile``,
+"fp8 delayed", "fp8 rowwise" and, in the linear's table, "fp8 block" (the region with
+``fp8.CurrentScaling()``, ``DelayedScaling()``, ``RowwiseScaling()``, ``BlockScaling()``;
+block scaling's gemm needs compute capability 9.x, and elsewhere its row reports the
+error), each eager and compiled (``torch.compile``,
 inductor; aot_eager with ``--quick``; ``DelayedScaling`` bound to the model first).
 
 1. Linear forward + backward, M x K x N = 4096 x 8192 x 16384: input (M, K) bfloat16
@@ -82,7 +84,7 @@ MEMORY_TARGET = 0.97  # fp8 / bf16 peak memory
 DELAYED_ERROR_TARGET = 0.02  # DelayedScaling's worst gradient error over CurrentScaling's, calls 1 to 3
 KERNEL_COUNT_TARGET = 20  # kernels per linear fwd+bwd on the CUDA path
 DELAYED_PRIMING_CALLS = 2  # DelayedScaling calls before its error is read or it is timed
-LINEAR_CONFIGS = ("bf16", "fp8 current", "fp8 delayed", "fp8 rowwise")
+LINEAR_CONFIGS = ("bf16", "fp8 current", "fp8 delayed", "fp8 rowwise", "fp8 block")
 GPT_CONFIGS = ("bf16", "fp8 current", "fp8 delayed")
 MODES = ("eager", "compiled")
 NOT_TIMED = "not timed on CPU (correctness only)"
@@ -105,6 +107,8 @@ def _recipe(config: str, model: nn.Module):
         return fp8.DelayedScaling().bind(model)
     if config == "fp8 rowwise":
         return fp8.RowwiseScaling()
+    if config == "fp8 block":
+        return fp8.BlockScaling()
     raise ValueError(f"unknown configuration {config!r}")
 
 

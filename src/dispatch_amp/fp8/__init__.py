@@ -7,8 +7,10 @@ else follows the region's policy and dtype, and fp8 gemm outputs are in the regi
 dtype. No module is swapped: the recipe holds all fp8 state.
 
 Recipes: :class:`CurrentScaling` (per tensor, from each tensor's own amax),
-:class:`DelayedScaling` (per tensor, from an amax history per site) and
-:class:`RowwiseScaling` (one scale per row). docs/fp8.md, "The rules", states every rule.
+:class:`DelayedScaling` (per tensor, from an amax history per site),
+:class:`RowwiseScaling` (one scale per row) and :class:`BlockScaling` (DeepSeek-V3's: one
+scale per 1x128 tile of activations and gradients, per 128x128 block of weights).
+docs/fp8.md, "Recipes" and "The rules", states every rule.
 
 Example::
 
@@ -21,7 +23,7 @@ Example::
 
 from ._linear import fp8_linear
 from ._rules import fp8_max
-from .recipes import CurrentScaling, DelayedScaling, Format, Recipe, RowwiseScaling, SiteReport
+from .recipes import BlockScaling, CurrentScaling, DelayedScaling, Format, Recipe, RowwiseScaling, SiteReport
 
-__all__ = ["CurrentScaling", "DelayedScaling", "RowwiseScaling", "Recipe", "SiteReport", "Format", "fp8_linear",
+__all__ = ["BlockScaling", "CurrentScaling", "DelayedScaling", "RowwiseScaling", "Recipe", "SiteReport", "Format", "fp8_linear",
            "fp8_max"]

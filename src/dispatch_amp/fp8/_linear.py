@@ -30,6 +30,7 @@ import torch
 from .. import _torch_compat
 
 from . import _double_backward, _replay
+from ._block_linear import RecipeQuantizer, block_fp8_linear
 from ._gemms import Meta, first_order_grads, inverse, mm
 from ._quantize import quantize, quantize_bias, quantize_weight, record_quantized
 from .recipes import Recipe
@@ -135,6 +136,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     owner = recipe.state
     if site is not None:
         owner.prepare(site, x.device)
+    if owner.rule.granularity == "block":
+        if weight_q is not None:
+            raise NotImplementedError(
+                "fp8_linear: BlockScaling takes the weight in high precision (it quantizes it in 128x128 blocks "
+                "itself); pass weight_q=None")
+        quantizer = RecipeQuantizer(owner.rule, site, record_forward=phase != "recompute")
+        return block_fp8_linear(x, weight, bias, out_dtype, quantizer, quantize_bias(site, bias, out_dtype))
     x2 = x.reshape(-1, weight.shape[1])
     # The backward's gemms take the weight transposed (grad_input) and the input
     # transposed (grad_weight): made here, from the same read, only for the gradients

@@ -35,9 +35,10 @@ import torch
 
 from .. import _torch_compat
 from ..kernels.fp8_quantize import RecordRule, ScaleChoice
+from ..kernels.fp8_scale import scale_from_amax_reference
 from ._rules import FORMATS, Format
 
-__all__ = ["ScalingRule", "CurrentRule", "RowwiseRule", "DelayedRule"]
+__all__ = ["ScalingRule", "CurrentRule", "RowwiseRule", "BlockRule", "DelayedRule"]
 
 
 class ScalingRule:
@@ -95,6 +96,12 @@ class ScalingRule:
     def after_optimizer_step(self, owner) -> None:
         """Called after an optimizer stepped while ``owner`` (the ``Fp8State``) is watched."""
 
+    # -- reports ----------------------------------------------------------------------------
+    def shown_scale(self, role: str, state) -> float:
+        """The scale a report shows for ``role``'s last call (its state ``state``): the
+        scale it recorded."""
+        return float(state.shown)
+
     # -- checkpoints ------------------------------------------------------------------------
     def checkpoint_config(self) -> dict | None:
         """What a checkpoint of this rule's state is made under, or None (no state to save)."""
@@ -120,6 +127,28 @@ class RowwiseRule(ScalingRule):
 
     def choose(self, state, role: str) -> ScaleChoice:
         return ScaleChoice("rows", power_of_two=self.power_of_two)
+
+
+class BlockRule(ScalingRule):
+    """Block scaling (DeepSeek-V3's): per tile ``T`` of 1 x 128 elements of an activation or
+    output gradient along the dimension its gemm contracts, and per 128 x 128 block of a
+    weight, ``scale[T] = fp8_max / max|T|`` (1 for an all-zero tile, rounded down to a
+    power of two with ``power_of_two``; ``kernels/fp8_block.py``). A call records the
+    operand's amax; a report shows the scale of the tile that holds it, the smallest.
+
+    Example::
+
+        >>> BlockRule(Format.E4M3, Format.E4M3, power_of_two=False).granularity
+        'block'
+    """
+
+    granularity = "block"
+    #: The tile length: DeepSeek-V3's, and the one torch's block-scaled gemm takes.
+    block = 128
+
+    def shown_scale(self, role: str, state) -> float:
+        a = state.amax.detach().to("cpu", torch.float32).reshape(())
+        return float(scale_from_amax_reference(a, FORMATS[self.dtype(role)], 0, self.power_of_two))
 
 
 class DelayedRule(ScalingRule):

@@ -217,7 +217,7 @@ class Fp8State:
             for role, st in site.roles.items():
                 if int(st.calls):
                     amax[role] = float(st.amax)
-                    scale[role] = float(st.shown)
+                    scale[role] = self.rule.shown_scale(role, st)
                     sat[role] = int(st.saturated)
             out.append(SiteReport(site.name or f"<unnamed {i}>", calls, amax, scale, sat))
         return out

@@ -30,11 +30,11 @@ import torch
 from .. import _markdown, _torch_compat
 from . import _state_dict
 from ._rules import Format, gemm_shapes_ok
-from ._scaling import CurrentRule, DelayedRule, RowwiseRule, ScalingRule
+from ._scaling import BlockRule, CurrentRule, DelayedRule, RowwiseRule, ScalingRule
 from ._sites import ROLES
 from ._state import Fp8State, SiteReport
 
-__all__ = ["Recipe", "CurrentScaling", "DelayedScaling", "RowwiseScaling", "SiteReport", "Format", "ROLES"]
+__all__ = ["Recipe", "CurrentScaling", "DelayedScaling", "RowwiseScaling", "BlockScaling", "SiteReport", "Format", "ROLES"]
 
 # filter_fn(site name or None, input shape, weight shape) -> whether the call runs in fp8.
 FilterFn = Callable[[Any, torch.Size, torch.Size], bool]
@@ -277,6 +277,57 @@ class RowwiseScaling(Recipe):
 
     def _describe(self) -> str:
         return super()._describe() + (", weight_grad_high_precision=True" if self.weight_grad_high_precision else "")
+
+
+class BlockScaling(Recipe):
+    """DeepSeek-V3's block scaling: one scale per tile of 128 elements along the dimension
+    each gemm contracts, one per 128 x 128 block of a weight.
+
+    Rule (each call; ``T`` a 1 x 128 tile of an activation or output gradient, or a
+    128 x 128 block of a weight)::
+
+        scale[T] = fp8_max(format) / max|T|       # 1 when T is all zeros
+        scale[T] = floor_pow2(scale[T])           # with power_of_two
+        forward       y  = x @ w.T      x in 1 x 128 tiles along K,   w in 128 x 128 blocks
+        grad_input    dx = dy @ w       dy in 1 x 128 tiles along N,  w.T: the same blocks
+        grad_weight   dw = dy.T @ x     dy and x in 128 x 1 tiles along the tokens M
+
+    Partial tiles at a ragged edge cover only their elements (as zero padding would). A
+    linear with fewer than 128 in- or out-features runs in the region's dtype (one tile
+    would cover it all). e4m3 throughout and plain float32 scales, as DeepSeek-V3 trains
+    (Transformer Engine's ``Float8BlockScaling`` rounds its scales to powers of two:
+    ``power_of_two=True``). Stateless: a recomputation gives the same bits. The rule is
+    ``_scaling.BlockRule``, computed by ``kernels/fp8_block.py``; the gemm is
+    ``torch.nn.functional.scaled_mm`` with block scales on CUDA (compute capability 9.x),
+    its rule on the CPU (``fp8/_block_gemm.py``).
+
+    Example::
+
+        with amp.autocast("cuda", dtype=torch.bfloat16, fp8=amp.fp8.BlockScaling()):
+            y = model(x)
+    """
+
+    #: The tile length (DeepSeek-V3's, and the one torch's block-scaled gemm takes).
+    block = BlockRule.block
+
+    def __init__(self, *, forward_format: torch.dtype = torch.float8_e4m3fn,
+                 grad_format: torch.dtype = torch.float8_e4m3fn, power_of_two: bool = False,
+                 filter_fn: FilterFn | None = None) -> None:
+        super().__init__(forward_format, grad_format, filter_fn, power_of_two)
+        self._finish(BlockRule(Format.of(self.forward_format), Format.of(self.grad_format), self.power_of_two))
+
+    def eligible(self, name: str | None, input_shape: torch.Size, weight_shape: torch.Size) -> bool:
+        """As every recipe's (:meth:`Recipe.eligible`), and at least 128 in- and
+        out-features: a narrower linear would be one padded tile.
+
+        Example::
+
+            >>> BlockScaling().eligible("fc", torch.Size([16, 64]), torch.Size([256, 64]))
+            False
+        """
+        if len(weight_shape) != 2 or weight_shape[0] < self.block or weight_shape[1] < self.block:
+            return False
+        return super().eligible(name, input_shape, weight_shape)
 
 
 class DelayedScaling(Recipe):

@@ -24,6 +24,11 @@ Public:
 * :func:`record_` ``(f, i, amax_acc, saturated_acc, scale_used, *, history, ...)``: a call's
   statistics and delayed scaling's history update, one launch.
 * :func:`fp8_max` ``(fp8_dtype)``: the largest finite value of an fp8 format.
+* :func:`quantize_tiles` ``(t, fp8_dtype, *, rowwise, colwise, power_of_two, block)``: block
+  scaling's 1 x 128 tiles (rowwise) and 128 x 1 tiles (colwise, written transposed) from
+  one read, with their float32 inverse scales.
+* :func:`quantize_blocks` ``(t, fp8_dtype, *, write_q, write_qt, power_of_two, block)``:
+  128 x 128 blocks (weights), the fp8 copy and/or its transpose from one read.
 
 Example::
 
@@ -34,6 +39,7 @@ Example::
 """
 
 from .fp8_amax import amax, amax_into_, amax_reference
+from .fp8_block import quantize_blocks, quantize_blocks_reference, quantize_tiles, quantize_tiles_reference
 from .fp8_cast import (amax_and_cast, amax_and_cast_reference, bias_grad, bias_grad_reference, cast_transpose,
                        cast_transpose_reference, fp8_max, quantize_, quantize_reference, resolve_scale_reference)
 from .fp8_scale import record_, record_reference, scale_from_amax_reference
@@ -56,6 +62,10 @@ __all__ = [
     "fp8_max",
     "quantize_",
     "quantize_reference",
+    "quantize_blocks",
+    "quantize_blocks_reference",
+    "quantize_tiles",
+    "quantize_tiles_reference",
     "record_",
     "record_reference",
     "resolve_scale_reference",

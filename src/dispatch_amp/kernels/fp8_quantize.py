@@ -18,6 +18,10 @@ On the Triton branch a per-tensor quantize is:
 * ``"first"`` (delayed scaling before that): the amax kernel first and the cast kernel
   choosing on the device between the history's scale and the amax's.
 
+Block scaling's operands (:func:`quantize_tiled`, :func:`quantize_blocked`, called by
+``fp8/_block_linear.py``) are one ``fp8_block`` kernel each, which also accumulates the
+operand's amax, then the statistics kernel; the torch branch is ``fp8_block``'s rule.
+
 :data:`BACKEND` picks: ``"auto"`` is the Triton kernels on CUDA and torch elsewhere;
 tests set ``"triton"`` to run the kernels through Triton's interpreter on CPU tensors.
 While torch.compile traces, always the torch rule (the compiler fuses it itself).
@@ -30,11 +34,12 @@ from dataclasses import dataclass
 import torch
 
 from .. import _torch_compat
-from . import fp8_amax, fp8_cast
-from .fp8_scale import I_ACC_SATURATED, record_, record_reference, scale_from_amax_reference
+from . import fp8_amax, fp8_block, fp8_cast
+from .fp8_scale import F_SHOWN, I_ACC_SATURATED, record_, record_reference, scale_from_amax_reference
 
 __all__ = ["BACKEND", "ScaleChoice", "RecordRule", "kernels_in_use", "amax_reference", "cast_reference",
-           "quantize", "quantize_along_k", "quantize_rows", "record_stats", "bias_grad"]
+           "quantize", "quantize_along_k", "quantize_rows", "quantize_tiled", "quantize_blocked", "record_stats",
+           "bias_grad"]
 
 #: ``"auto"``, ``"torch"`` or ``"triton"``: which implementation the fp8 path runs.
 BACKEND = "auto"
@@ -295,6 +300,52 @@ def quantize_rows(t2: torch.Tensor, fp8_dtype: torch.dtype, *, power_of_two: boo
     if state is not None and record is not None:
         _record_torch(state, a.max(), scale.min(), saturated, record)
     return q, scale.reciprocal()
+
+
+def quantize_tiled(t2: torch.Tensor, fp8_dtype: torch.dtype, *, rowwise: bool, colwise: bool,
+                   power_of_two: bool = False, state=None, record: RecordRule | None = None):
+    """Block scaling's activations and output gradients: ``(q, q_inv, q_t, qt_inv)`` of a
+    2-D operand in 1 x 128 tiles (``rowwise``) and/or 128 x 1 tiles (``colwise``, written
+    transposed), one read (``fp8_block.quantize_tiles``). Recorded on ``state`` when given:
+    the amax of the whole operand; nothing saturates (each tile's own scale).
+
+    Example::
+
+        >>> q, q_inv, _, _ = quantize_tiled(torch.ones(2, 4), torch.float8_e4m3fn, rowwise=True, colwise=False)
+        >>> q_inv.tolist()
+        [[0.0022321429569274187], [0.0022321429569274187]]
+    """
+    return _blockwise(fp8_block.quantize_tiles, t2, fp8_dtype, state, record, rowwise=rowwise, colwise=colwise,
+                      power_of_two=power_of_two)
+
+
+def quantize_blocked(w: torch.Tensor, fp8_dtype: torch.dtype, *, write_qt: bool, power_of_two: bool = False,
+                     state=None, record: RecordRule | None = None):
+    """Block scaling's weights: ``(q, q_t, inv)`` of a 2-D weight in 128 x 128 blocks, ``q_t``
+    when ``write_qt`` (``fp8_block.quantize_blocks``), recorded as :func:`quantize_tiled`.
+
+    Example::
+
+        >>> q, q_t, inv = quantize_blocked(torch.ones(2, 4), torch.float8_e4m3fn, write_qt=True)
+        >>> q_t.shape, inv.shape
+        (torch.Size([4, 2]), torch.Size([1, 1]))
+    """
+    return _blockwise(fp8_block.quantize_blocks, w, fp8_dtype, state, record, write_qt=write_qt,
+                      power_of_two=power_of_two)
+
+
+def _blockwise(fn, t2, fp8_dtype, state, record, **kwargs):
+    recording = state is not None and record is not None
+    if kernels_in_use(t2):
+        out = fn(t2, fp8_dtype, amax_acc=state.acc if recording else None, backend="triton", **kwargs)
+        if recording:  # the amax the kernel accumulated; the scale field keeps its value
+            record_(state.f, state.i, state.acc, state.i[I_ACC_SATURATED:], state.f[F_SHOWN:F_SHOWN + 1],
+                    backend="triton", **record.kwargs())
+        return out
+    out = fn(t2, fp8_dtype, backend="torch", **kwargs)
+    if recording:
+        _record_torch(state, amax_reference(t2), state.f[F_SHOWN], state.i[I_ACC_SATURATED], record)
+    return out
 
 
 # The fp8 path's frames: Dynamo inlines them where it traces a call under the fp8 level,
