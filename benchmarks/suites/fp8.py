@@ -1,11 +1,12 @@
 """fp8: fp8 training (``dispatch_amp.autocast(..., fp8=recipe)``) against bfloat16, and against torchao.
 
 Configurations: "bf16" (``dispatch_amp.autocast`` bfloat16 without fp8), "fp8 current",
-"fp8 delayed", "fp8 rowwise" and, in the linear's table, "fp8 block" (the region with
-``fp8.CurrentScaling()``, ``DelayedScaling()``, ``RowwiseScaling()``, ``BlockScaling()``;
-block scaling's gemm needs compute capability 9.x, and elsewhere its row reports the
-error), each eager and compiled (``torch.compile``,
-inductor; aot_eager with ``--quick``; ``DelayedScaling`` bound to the model first).
+"fp8 delayed", "fp8 rowwise" and "fp8 block" (the region with ``fp8.CurrentScaling()``,
+``DelayedScaling()``, ``RowwiseScaling()``, ``BlockScaling()``; block scaling's gemm needs
+compute capability 9.x on CUDA, and elsewhere its row reports the error), each eager and
+compiled (``torch.compile``, inductor; aot_eager with ``--quick``; ``DelayedScaling``
+bound to the model first); in the GPT's table rowwise and block eagerly only
+(``GPT_EAGER_ONLY``: their compile time would not fit the GPU check's window).
 
 1. Linear forward + backward, M x K x N = 4096 x 8192 x 16384: input (M, K) bfloat16
    requiring grad, weight (N, K) float32 parameter with a bias, ``y.backward(dy)`` with a
@@ -85,7 +86,11 @@ DELAYED_ERROR_TARGET = 0.02  # DelayedScaling's worst gradient error over Curren
 KERNEL_COUNT_TARGET = 20  # kernels per linear fwd+bwd on the CUDA path
 DELAYED_PRIMING_CALLS = 2  # DelayedScaling calls before its error is read or it is timed
 LINEAR_CONFIGS = ("bf16", "fp8 current", "fp8 delayed", "fp8 rowwise", "fp8 block")
-GPT_CONFIGS = ("bf16", "fp8 current", "fp8 delayed")
+GPT_CONFIGS = ("bf16", "fp8 current", "fp8 delayed", "fp8 rowwise", "fp8 block")
+# Compiled, each configuration costs its compile time in the GPU check's window: the
+# per-tensor recipes with targets compile, rowwise and block run eagerly only.
+GPT_EAGER_ONLY = ("fp8 rowwise", "fp8 block")
+NOT_COMPILED = "eager only (compile time: see GPT_EAGER_ONLY)"
 MODES = ("eager", "compiled")
 NOT_TIMED = "not timed on CPU (correctness only)"
 NOT_MEASURED = "not measured on CPU (correctness only)"
@@ -135,20 +140,22 @@ def _finite(tensors) -> str:
     return "yes" if all(bool(torch.isfinite(t).all()) for t in tensors) else "NO"
 
 
-def _correctness(configs, run, collect, columns) -> tuple[dict, dict]:
+def _correctness(configs, run, collect, columns, skip=()) -> tuple[dict, dict]:
     """One forward + backward per (mode, configuration), bf16 first in each mode.
 
     ``run(key)`` runs it (DelayedScaling after its priming calls); ``collect(out)`` -> the
     output and gradients it left, by name, the output first; ``columns(errs)`` -> the
     row's error columns from the per-tensor relative errors against bf16. Returns
     (columns per key, failure per key): a configuration that raises is reported in its row
-    and left out of the timings; the others still run.
+    and left out of the timings; the others still run. Keys in ``skip`` are not run.
     """
     errors, failed = {}, {}
     for mode in MODES:
         ref = None
         for config in configs:
             key = mode, config
+            if key in skip:
+                continue
             try:
                 if config == "fp8 delayed":
                     for _ in range(DELAYED_PRIMING_CALLS):  # the history's first amaxes
@@ -263,6 +270,8 @@ def linear_tables(device: torch.device, quick: bool, backend: str, timed: bool, 
                 row["target"] = f">= {target:.2f}"
             if (mode, config) in failed:
                 row["ms"] = failed[mode, config]
+            elif mode == "compiled" and config in GPT_EAGER_ONLY:
+                row["ms"] = NOT_COMPILED
             elif not timed:
                 row["ms"] = NOT_TIMED
             else:
@@ -405,6 +414,8 @@ def gpt_table(device: torch.device, quick: bool, backend: str, timed: bool, obse
     for mode in MODES:
         loss_fn = torch.compile(model.loss, backend=backend) if mode == "compiled" else model.loss
         for config in GPT_CONFIGS:
+            if mode == "compiled" and config in GPT_EAGER_ONLY:
+                continue
             regions[mode, config] = _region(device, _recipe(config, model))
             loss_fns[mode, config] = loss_fn
             steps[mode, config] = training_step(opt, loss_fn, regions[mode, config], batch)
@@ -421,7 +432,8 @@ def gpt_table(device: torch.device, quick: bool, backend: str, timed: bool, obse
     errors, failed = _correctness(
         GPT_CONFIGS, loss_and_grads,
         lambda loss: {"loss": loss, **{name: p.grad for name, p in model.named_parameters()}},
-        lambda errs: {"loss_err": errs.pop("loss"), "grad_err": max(errs.values())})
+        lambda errs: {"loss_err": errs.pop("loss"), "grad_err": max(errs.values())},
+        skip={("compiled", c) for c in GPT_EAGER_ONLY})
     for key in failed:
         del steps[key]
     opt.zero_grad(set_to_none=True)
@@ -452,6 +464,8 @@ def gpt_table(device: torch.device, quick: bool, backend: str, timed: bool, obse
                 row["target"] = f">= {GPT_TARGETS[mode]:.2f}"
             if (mode, config) in failed:
                 row["ms"] = failed[mode, config]
+            elif mode == "compiled" and config in GPT_EAGER_ONLY:
+                row["ms"] = NOT_COMPILED
             elif not timed:
                 row["ms"] = NOT_TIMED
             else:
