@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 __all__ = ["WIDTH", "BLOCKS", "RECIPES", "measure", "table", "main"]
 
 WIDTH, BLOCKS, WORLD = 512, 2, 2
-RECIPES = ("CurrentScaling", "DelayedScaling", "RowwiseScaling")
+RECIPES = ("CurrentScaling", "DelayedScaling", "RowwiseScaling", "BlockScaling")
 
 
 class _Block(torch.nn.Module):

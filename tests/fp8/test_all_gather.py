@@ -27,6 +27,7 @@ from dispatch_amp import fp8
 from dispatch_amp.fp8._gathered import Gathered, GatheredFp8Weight
 from dispatch_amp.fp8._rules import amax, cast, scale_from_amax
 from dispatch_amp.fp8.all_gather import ShardedFp8Weight
+from dispatch_amp.kernels import quantize_blocks_reference
 
 pytestmark = [
     pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"),
@@ -39,9 +40,16 @@ RECIPES = {
     "current": lambda: fp8.CurrentScaling(),
     "delayed": lambda: fp8.DelayedScaling(amax_history_len=4),
     "rowwise": lambda: fp8.RowwiseScaling(),
+    "block": lambda: fp8.BlockScaling(),
 }
-# (in, out) of the model's linears: rows (out) split over the ranks, all multiples of 16.
+# (in, out) of the model's linears: rows (out) split over the ranks, all multiples of 16;
+# block scaling's at least 128 features, and whole 128 x 128 blocks on each rank.
 SHAPES = [(32, 64), (64, 32)]
+BLOCK_SHAPES = [(128, 256), (256, 256)]
+
+
+def shapes_of(name: str):
+    return BLOCK_SHAPES if name == "block" else SHAPES
 
 
 # ------------------------------------------------------------------------------------------
@@ -112,11 +120,11 @@ def _counting_all_gather(log: list):
     return Counting()
 
 
-def _model(recipe, in_fp8: bool, param_dtype=torch.bfloat16, reshard_after_forward=None):
+def _model(recipe, in_fp8: bool, param_dtype=torch.bfloat16, reshard_after_forward=None, shapes=SHAPES):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(0)
-    (i0, o0), (i1, o1) = SHAPES
+    (i0, o0), (i1, o1) = shapes
     model = torch.nn.Sequential(torch.nn.Linear(i0, o0), torch.nn.GELU(), torch.nn.Linear(i1, o1))
     recipe.bind(model)
     handle = fp8.all_gather_in_fp8(model, recipe) if in_fp8 else None
@@ -132,6 +140,9 @@ def _model(recipe, in_fp8: bool, param_dtype=torch.bfloat16, reshard_after_forwa
 def _reference_cast(recipe, weight: torch.Tensor, shown: float):
     """"All-gather in high precision, then our cast": the full weight's fp8 bits and scale."""
     fmt = recipe.forward_format
+    if isinstance(recipe, fp8.BlockScaling):
+        q, _, inv = quantize_blocks_reference(weight, fmt, power_of_two=recipe.power_of_two)
+        return q, inv
     if recipe.rowwise:
         scale = scale_from_amax(amax(weight, rowwise=True), fmt, power_of_two=recipe.power_of_two)
         return cast(weight, scale, fmt)[0], scale.reciprocal()
@@ -163,7 +174,7 @@ def _train(model, recipe, rank, steps, seen=None):
             hooks.append(model[index].register_forward_pre_hook(pre))
     log = {"loss": [], "grads": [], "report": [], "sharded_after_forward": [], "sharded_after_backward": []}
     for step in range(steps):
-        x = torch.randn(16, SHAPES[0][0], generator=torch.Generator().manual_seed(10 * step + rank)) * (1 + rank)
+        x = torch.randn(16, model[0].in_features, generator=torch.Generator().manual_seed(10 * step + rank)) * (1 + rank)
         with amp.autocast("cpu", dtype=torch.bfloat16, fp8=recipe):
             loss = model(x).float().pow(2).mean()
         log["sharded_after_forward"].append([isinstance(model[i].weight, DTensor) for i in (0, 2)])
@@ -188,7 +199,7 @@ def worker(rank: int) -> dict:
         runs = {}
         for in_fp8 in (False, True):
             recipe = make()
-            model, handle, log = _model(recipe, in_fp8)
+            model, handle, log = _model(recipe, in_fp8, shapes=shapes_of(name))
             seen: dict = {}
             run = _train(model, recipe, rank, STEPS, seen)
             run["bytes"] = list(log)
@@ -241,6 +252,17 @@ def worker(rank: int) -> dict:
             out[("rowwise_root", reshard)] = None
         except RuntimeError as e:
             out[("rowwise_root", reshard)] = str(e)
+    # Block scaling where a rank would hold half of a 128 x 128 block (128 rows on 2 ranks).
+    recipe = fp8.BlockScaling()
+    model = torch.nn.Sequential(torch.nn.Linear(128, 128))
+    fp8.all_gather_in_fp8(model, recipe)
+    fully_shard(model)
+    try:
+        with amp.autocast("cpu", dtype=torch.bfloat16, fp8=recipe):
+            model(torch.randn(16, 128))
+        out["block_straddles"] = None
+    except ValueError as e:
+        out["block_straddles"] = str(e)
     recipe = fp8.CurrentScaling()
     model, _, _ = _model(recipe, True)
     try:
@@ -277,7 +299,7 @@ def test_gathered_fp8_weights_are_the_cast_of_the_full_weight(ranks, name):
             shown = [[r for r in report if r.name == str(index)][0].scale["weight"] for report in ref["report"]]
             for (data, sc, mode), weight, shown in zip(ours["seen"][index], ref["seen"][index], shown):
                 want_data, want_sc = _reference_cast(recipe, weight, shown)
-                assert mode == ("rows" if recipe.rowwise else "tensor")
+                assert mode == {"rowwise": "rows", "block": "blocks"}.get(name, "tensor")
                 assert data.dtype == recipe.forward_format and data.shape == weight.shape
                 assert torch.equal(data.view(torch.uint8), want_data.view(torch.uint8)), (name, index)
                 assert torch.equal(sc.reshape(-1), want_sc.reshape(-1)), (name, index)
@@ -311,32 +333,36 @@ def test_delayed_scaling_state_is_bit_identical(ranks):
 # ------------------------------------------------------------------------------------------
 
 
-def _expected_bytes(rowwise: bool, fp8_weights: bool) -> int:
-    """Bytes one rank sends in one FSDP2 all-gather of one linear: its weight shard (bf16, or
-    fp8 plus the statistics sent along) and its bias shard (bf16)."""
+def _expected_bytes(name: str, fp8_weights: bool) -> int:
+    """Bytes one rank sends in the FSDP2 all-gathers of one step's forward: per linear its
+    weight shard (bf16, or fp8 plus what is sent along: 8 bytes of statistics; rowwise 4
+    bytes per row and 4 more; block 4 bytes per 128 x 128 block) and its bias shard (bf16)."""
     total = 0
-    for i, o in SHAPES:
+    for i, o in shapes_of(name):
         rows = o // WORLD
-        if fp8_weights:
-            weight = rows * i + 4 * 2 + (rows * 4 + 4 if rowwise else 0)
-        else:
+        if not fp8_weights:
             weight = rows * i * 2
+        elif name == "rowwise":
+            weight = rows * i + 8 + rows * 4 + 4
+        elif name == "block":
+            weight = rows * i + 8 + (rows // 128) * (-(-i // 128)) * 4
+        else:
+            weight = rows * i + 8
         total += weight + rows * 2
     return total
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_bytes_moved_per_all_gather(ranks, name):
-    rowwise = name == "rowwise"
     ref, ours = ranks[0][name][False]["bytes"], ranks[0][name][True]["bytes"]
     # Per step: one all-gather per linear for the forward and one for the backward.
-    assert len(ref) == len(ours) == 2 * len(SHAPES) * STEPS
-    assert sum(ref) == STEPS * 2 * _expected_bytes(rowwise, False)
-    assert sum(ours) == STEPS * 2 * _expected_bytes(rowwise, True)
+    assert len(ref) == len(ours) == 2 * len(shapes_of(name)) * STEPS
+    assert sum(ref) == STEPS * 2 * _expected_bytes(name, False)
+    assert sum(ours) == STEPS * 2 * _expected_bytes(name, True)
     ratio = sum(ours) / sum(ref)
     print(f"\n{name}: {sum(ref) // len(ref)} -> {sum(ours) // len(ours)} bytes per all-gather and rank "
           f"({ratio:.3f} of bf16's)")
-    assert ratio < (0.6 if rowwise else 0.53)
+    assert ratio < (0.6 if name == "rowwise" else 0.53)
 
 
 @pytest.mark.parametrize("name", ["current", "delayed"])
@@ -392,6 +418,7 @@ def test_refusals(ranks):
     message = ranks[0]["outside_refused"]
     assert message is not None and "all-gathered in fp8" in message and "'0'" in message
     assert "reshard_after_forward=True" in ranks[0][("rowwise_root", None)]
+    assert "multiple of 128 rows" in ranks[0]["block_straddles"]
     assert ranks[0][("rowwise_root", True)] is None
 
 

@@ -20,12 +20,12 @@ import torch
 
 from .. import _torch_compat
 
-__all__ = ["MODE_TENSOR", "MODE_ROWS", "MODE_COLUMNS", "Gathered", "GatheredFp8Weight", "gathered", "columns"]
+__all__ = ["MODE_TENSOR", "MODE_ROWS", "MODE_COLUMNS", "MODE_BLOCKS", "Gathered", "GatheredFp8Weight", "gathered", "columns"]
 
 # How a gathered weight is scaled: one scale for the tensor; one per row (the forward of a
 # rowwise recipe); one per column (its backward: the input gradient contracts the weight
-# along its rows).
-MODE_TENSOR, MODE_ROWS, MODE_COLUMNS = "tensor", "rows", "columns"
+# along its rows); one per 128 x 128 block (block scaling, forward and backward alike).
+MODE_TENSOR, MODE_ROWS, MODE_COLUMNS, MODE_BLOCKS = "tensor", "rows", "columns", "blocks"
 
 _aten = torch.ops.aten
 # Ops that make an alias of the whole weight (FSDP2 views it; nn.Parameter detaches it).
@@ -40,9 +40,9 @@ _METADATA = {_aten.is_same_size.default, _aten.zeros_like.default, _aten.empty_l
 @dataclass
 class Gathered:
     """One all-gather's result: the fp8 weight (``rows x cols``, as the weight), how it is
-    scaled (``mode``: one scale, one per row, one per column), what
+    scaled (``mode``: one scale, one per row, one per column, one per block), what
     the gemm takes for its scale (``[scale, 1 / scale]``, or the inverse scales per row
-    ``(rows, 1)`` or per column ``(1, cols)``), and what a call records (the whole weight's
+    ``(rows, 1)``, per column ``(1, cols)`` or per block ``(rows / 128, cols / 128)``), and what a call records (the whole weight's
     amax, the scale shown, saturated values)."""
 
     plan: object

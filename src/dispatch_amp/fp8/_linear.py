@@ -101,7 +101,8 @@ class QuantizedWeight:
     cast would have recorded: ``amax`` (float32, 0-d: of the whole weight) and
     ``saturated`` (int64, 0-d). With one scale per row (row-wise scaling), ``sc`` is the
     inverse scales ``(out, 1)`` and ``shown`` the smallest row scale (what the cast
-    records as the scale used; with one scale per tensor, ``sc[0]``).
+    records as the scale used; with one scale per tensor, ``sc[0]``). With block scaling,
+    ``sc`` is the inverse scales of the 128 x 128 blocks ``(out / 128, in / 128)``.
 
     Example::
 
@@ -140,12 +141,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if site is not None:
         owner.prepare(site, x.device)
     if owner.rule.granularity == "block":
-        if weight_q is not None:
-            raise NotImplementedError(
-                "fp8_linear: BlockScaling takes the weight in high precision (it quantizes it in 128x128 blocks "
-                "itself); pass weight_q=None")
         quantizer = RecipeQuantizer(owner.rule, site, record_forward=phase != "recompute")
-        return block_fp8_linear(x, weight, bias, out_dtype, quantizer, quantize_bias(site, bias, out_dtype))
+        return block_fp8_linear(x, weight, bias, out_dtype, quantizer, quantize_bias(site, bias, out_dtype),
+                                weight_q=weight_q)
     x2 = x.reshape(-1, weight.shape[1])
     # The backward's gemms take the weight transposed (grad_input) and the input
     # transposed (grad_weight): made here, from the same read, only for the gradients

@@ -1,7 +1,7 @@
 """fp8 weight all-gather under FSDP2: weights travel in fp8, cast with their recipe's scale.
 
 ``all_gather_in_fp8(model, recipe)``, called before ``fully_shard``, wraps the data of
-each eligible weight (``nn.Linear`` weights whose dimensions are multiples of 16) in a
+each eligible weight (``nn.Linear`` weights whose shape the recipe runs in fp8) in a
 tensor that FSDP2 all-gathers in fp8 through its extension points (``_sharded.py``): each
 rank casts its shard with the scale its recipe gives the whole weight (``_shard_cast.py``),
 the fp8 shards travel, and the fp8 gemm takes the gathered fp8 weight as it is
@@ -90,8 +90,9 @@ def all_gather_in_fp8(model: torch.nn.Module, recipe, *, prefix: str = "",
     by ``.data =``, which ``fully_shard`` makes). Binds ``recipe`` to ``model``
     (``recipe.bind(model, prefix)``).
 
-    Taken: the ``weight`` of every ``nn.Linear`` (and subclass) whose dimensions are
-    multiples of 16, held by that module alone (a tied weight is read by other ops, and
+    Taken: the ``weight`` of every ``nn.Linear`` (and subclass) whose shape the recipe
+    runs in fp8 (dimensions multiples of 16; block scaling: at least 128), held by that
+    module alone (a tied weight is read by other ops, and
     stays in high precision), and accepted by ``filter_fn(site name)`` if given. The
     parameters are replaced by parameters of the same data (make the optimizer after).
     Such a weight then runs only in the fp8 gemms of ``amp.autocast(..., fp8=recipe)``:
@@ -113,11 +114,11 @@ def all_gather_in_fp8(model: torch.nn.Module, recipe, *, prefix: str = "",
     if filter_fn is not None and not callable(filter_fn):
         raise TypeError(f"filter_fn must be callable (site name) -> bool, got {filter_fn!r}")
     layout = recipe.state.rule.granularity
-    if layout not in ("tensor", "row"):
+    if layout not in ("tensor", "row", "block"):
         raise NotImplementedError(
             f"all_gather_in_fp8(): {type(recipe).__name__} scales its weights by {layout!r}, which the fp8 "
-            f"all-gather does not cast yet (it casts one scale per tensor or per row); all-gather in high "
-            f"precision (do not call all_gather_in_fp8) with this recipe")
+            f"all-gather does not cast (it casts one scale per tensor, per row or per 128 x 128 block); "
+            f"all-gather in high precision (do not call all_gather_in_fp8) with this recipe")
     dtensor = _dtensor_type()
     holders: dict[int, list] = {}
     for module in model.modules():
@@ -141,14 +142,18 @@ def all_gather_in_fp8(model: torch.nn.Module, recipe, *, prefix: str = "",
     for places in holders.values():
         module, attr, param = places[0]
         if not (len(places) == 1 and attr == "weight" and isinstance(module, torch.nn.Linear) and param.dim() == 2
-                and param.dtype in (torch.float32, torch.bfloat16, torch.float16)
-                and param.shape[0] % 16 == 0 and param.shape[1] % 16 == 0):
+                and param.dtype in (torch.float32, torch.bfloat16, torch.float16)):
+            continue
+        site = recipe.state.lookup(param)
+        # The recipe's own rule (shapes, block scaling's 128 features at least, its
+        # filter_fn for every name), for a batch of 16 rows.
+        rows16 = torch.Size([16, param.shape[1]])
+        if not all(recipe.eligible(name, rows16, param.shape) for name in site.names or [None]):
             continue
         if param.is_meta:
             raise RuntimeError(
                 f"all_gather_in_fp8(): {type(module).__name__}.{attr} is on the meta device; materialize the model "
                 f"on its device first (fully_shard on a meta model, then to_empty, is not supported with it)")
-        site = recipe.state.lookup(param)
         if filter_fn is not None and not all(bool(filter_fn(name)) for name in site.names):
             continue
         kept.append((module, attr, param, Plan(recipe, site, site.name)))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ... import _torch_compat
-from .._gathered import MODE_ROWS, MODE_TENSOR, GatheredFp8Weight
+from .._gathered import MODE_BLOCKS, MODE_ROWS, MODE_TENSOR, GatheredFp8Weight
 from .._linear import QuantizedWeight, fp8_linear
 
 __all__ = ["gathered_linear"]
@@ -55,8 +55,9 @@ def gathered_linear(x: torch.Tensor, weight: GatheredFp8Weight, bias: torch.Tens
         _refuse(name, f"a call with input {tuple(x.shape)} is not an fp8 call under this recipe (every gemm dimension "
                       f"a multiple of 16, and the recipe's filter_fn), and its high-precision weight was never gathered",
                 "pad the batch, or keep this weight out of all_gather_in_fp8 (its filter_fn)")
-    rows = plan.rule.granularity == "row"
-    if box.mode != (MODE_ROWS if rows else MODE_TENSOR):
+    layout = plan.rule.granularity
+    rows = layout == "row"
+    if box.mode != {"row": MODE_ROWS, "block": MODE_BLOCKS}.get(layout, MODE_TENSOR):
         _refuse(name, f"it holds the backward's layout ({box.mode}) in a forward call (a recomputation under "
                       f"activation checkpointing with RowwiseScaling)",
                 "do not checkpoint the layers of fp8 all-gathered weights under RowwiseScaling")

@@ -11,6 +11,9 @@ alike:
 * delayed scaling: the site's history scale, which every rank holds alike: no collective.
   Until the host knows the site is initialized (its first calls, where the recipe scales
   from the weight's own amax), the amax is reduced as for current scaling.
+* block scaling: one scale per 128 x 128 block. With whole blocks on each shard (a shard's
+  row count a multiple of 128; else refused) the shards' blocks are the weight's: no
+  collective. Its row scales travel along.
 * rowwise scaling, forward: one scale per row of the weight. FSDP2 shards dim 0, so each
   row is whole on one rank: no collective. Backward (the input gradient contracts the
   weight along its rows, so it takes one scale per column): the column amaxes are reduced
@@ -34,7 +37,8 @@ import torch.distributed as dist
 
 from .._rules import amax as _amax
 from .._rules import cast as _cast
-from .._gathered import MODE_COLUMNS, MODE_ROWS, MODE_TENSOR
+from ...kernels.fp8_quantize import quantize_blocked
+from .._gathered import MODE_BLOCKS, MODE_COLUMNS, MODE_ROWS, MODE_TENSOR
 from .._rules import scale_from_amax
 
 __all__ = ["cast_shard", "gathered_stats"]
@@ -77,6 +81,13 @@ def cast_shard(plan, src: torch.Tensor, group, backward: bool):
     every rank knows it already (``[scale, 1 / scale]``; the column inverse scales), else
     None."""
     fmt = plan.fmt
+    if plan.rule.granularity == "block":
+        # Whole 128 x 128 blocks on each shard (_sharded.py checks): the shards' blocks are
+        # the whole weight's, with no collective. Forward and backward alike (the same
+        # blocks serve w and w.T); nothing saturates (each block's own scale).
+        q, _, inv = quantize_blocked(src, fmt, write_qt=False, power_of_two=plan.rule.power_of_two)
+        none = torch.zeros((), dtype=_int32, device=src.device)
+        return [q, inv.reshape(-1), _stats(_amax(src), none)], (MODE_BLOCKS, None)
     if plan.rule.granularity == "row":
         if backward:
             col_amax = _reduced_max(_amax(src.t(), rowwise=True).reshape(1, -1), group)

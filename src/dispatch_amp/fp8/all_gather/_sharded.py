@@ -27,7 +27,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ... import _torch_compat
-from .._gathered import MODE_COLUMNS, MODE_ROWS, Gathered, GatheredFp8Weight
+from .._gathered import MODE_BLOCKS, MODE_COLUMNS, MODE_ROWS, Gathered, GatheredFp8Weight
 from ._shard_cast import cast_shard, gathered_stats
 
 __all__ = ["ShardedFp8Weight", "Plan", "unwrap"]
@@ -129,7 +129,12 @@ class ShardedFp8Weight(torch.Tensor):
             all_gather_outputs = (data, *local_extras)
         box = out._gathered if out is not None else Gathered(self._plan)
         box.data, box.mode = data, mode
-        if mode == MODE_COLUMNS:
+        if mode == MODE_BLOCKS:
+            block = self._plan.rule.block
+            inv, stats = all_gather_outputs[1], all_gather_outputs[2]
+            box.amax, box.saturated, _ = gathered_stats(stats.reshape(-1, 2))
+            box.sc, box.shown = inv.reshape(data.shape[0] // block, -1), None
+        elif mode == MODE_COLUMNS:
             box.sc, box.amax, box.shown, box.saturated = sc, None, None, None
         elif mode == MODE_ROWS:
             inv, stats = all_gather_outputs[1], all_gather_outputs[2]
@@ -163,6 +168,13 @@ def _check_layout(shard: ShardedFp8Weight, mesh, outer_size) -> None:
             f"fp8 all-gather of {name!r}: its {rows} rows do not split evenly over {world} ranks; FSDP2 would pad "
             f"the last shard, and the statistics sent along need equal shards. Keep this weight out "
             f"(all_gather_in_fp8(..., filter_fn=...)) or use a world size that divides {rows}")
+    block = getattr(shard._plan.rule, "block", None) if shard._plan.rule.granularity == "block" else None
+    if block is not None and (rows // world) % block:
+        raise ValueError(
+            f"fp8 all-gather of {name!r} under block scaling: each of the {world} ranks holds {rows // world} of its "
+            f"{rows} rows, which cuts its {block} x {block} blocks between ranks (a block's scale needs all its "
+            f"rows). Keep this weight out (all_gather_in_fp8(..., filter_fn=...)), or shard so that each rank holds "
+            f"a multiple of {block} rows")
     if tuple(shard.shape) != (rows // world, cols):
         raise ValueError(
             f"fp8 all-gather of {name!r}: FSDP2 sharded it as {tuple(shard.shape)} of {tuple(outer_size)}; only "
