@@ -18,6 +18,8 @@ import torch
 
 from .. import _torch_compat
 from ..fp8 import fp8_linear
+from ..fp8._gathered import GatheredFp8Weight
+from ..fp8.all_gather import gathered_linear
 from ..fp8._eligibility import fp8_eligible, linear_arguments
 from ..fp8._reach import linear_shaped
 from ._handlers import lower
@@ -40,16 +42,19 @@ def fp8(ctx, st, op, keyset, args, kwargs):
     recipe = ctx.fp8
     if recipe is None:
         return lower(ctx, st, op, keyset, args, kwargs)
+    gathered = False
     if op is _LINEAR:
         x, weight, bias = linear_arguments(args, kwargs)
         holder = weight
+        # A weight FSDP2 all-gathered in fp8 (fp8/all_gather/) has only its fp8 form here.
+        gathered = type(weight) is GatheredFp8Weight
     else:
         op_name = _REACH.get(op)
         call = None if op_name is None else linear_shaped(op_name, args, kwargs)
         if call is None:
             return lower(ctx, st, op, keyset, args, kwargs)
         x, weight, bias, holder = call
-    if not fp8_eligible(recipe, ctx.device_type, x, weight, bias, holder=holder):
+    if not gathered and not fp8_eligible(recipe, ctx.device_type, x, weight, bias, holder=holder):
         return lower(ctx, st, op, keyset, args, kwargs)
     # torch.utils.checkpoint recomputes under native autocast, which would run this call
     # in the region's dtype: refused, with the way out (dispatch_amp.checkpoint). Only
@@ -68,6 +73,8 @@ def fp8(ctx, st, op, keyset, args, kwargs):
     else:
         phase = "forward"
     with _DisableAutocast():
+        if gathered:
+            return gathered_linear(x, weight, bias, recipe, ctx.dtype, phase)
         return fp8_linear(x, weight, bias, recipe, ctx.dtype, recipe.state.site(holder), phase)
 
 

@@ -22,8 +22,9 @@ Example::
 """
 
 from ._linear import fp8_linear
+from .all_gather import Fp8AllGather, all_gather_in_fp8
 from ._rules import fp8_max
 from .recipes import BlockScaling, CurrentScaling, DelayedScaling, Format, Recipe, RowwiseScaling, SiteReport
 
-__all__ = ["BlockScaling", "CurrentScaling", "DelayedScaling", "RowwiseScaling", "Recipe", "SiteReport", "Format", "fp8_linear",
-           "fp8_max"]
+__all__ = ["BlockScaling", "CurrentScaling", "DelayedScaling", "RowwiseScaling", "Recipe", "SiteReport", "Format",
+           "fp8_linear", "fp8_max", "all_gather_in_fp8", "Fp8AllGather"]

@@ -99,6 +99,16 @@ class RecipeQuantizer:
         return _kernels.quantize_blocked(weight, self.rule.dtype("weight"), write_qt=write_qt,
                                          power_of_two=self.rule.power_of_two, state=state, record=record)
 
+    def given_blocks(self, weight_q, write_qt: bool):
+        """``blocks`` of a weight quantized elsewhere (``_linear.QuantizedWeight``: an fp8
+        all-gather's), recorded as ``blocks`` records its cast: the whole weight's amax,
+        the scale field as it was, nothing saturated."""
+        state, record = self._state("weight")
+        if state is not None:
+            _kernels.record_stats(state, (weight_q.amax, weight_q.saturated), state.shown.reshape(1), record)
+        q = weight_q.data
+        return q, (q.t().contiguous() if write_qt else None), weight_q.sc
+
 
 class _BlockFp8Linear(torch.autograd.Function):
     # Takes the forward's fp8 operands ready-made (quantized outside, where recording a
@@ -140,11 +150,12 @@ class _BlockFp8Linear(torch.autograd.Function):
 
 
 def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
-                     quantizer=BlockOptions(), bias_lo: torch.Tensor | None = None) -> torch.Tensor:
+                     quantizer=BlockOptions(), bias_lo: torch.Tensor | None = None, weight_q=None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` as block-scaled fp8 gemms, output in ``out_dtype``.
 
     ``quantizer``: a :class:`BlockOptions`, or an object with its ``tiles``, ``blocks`` and
-    ``block``. ``bias_lo``: the bias already in ``out_dtype`` (else cast here). Only the
+    ``block``. ``bias_lo``: the bias already in ``out_dtype`` (else cast here). ``weight_q``:
+    the weight already in fp8 blocks (``_linear.QuantizedWeight``), not cast again. Only the
     layouts the gradients asked for (by grad mode and ``requires_grad``) are made.
 
     Example::
@@ -157,7 +168,10 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     need_dx, need_dw = grad and x.requires_grad, grad and weight.requires_grad
     x2 = x.reshape(-1, weight.shape[1]).contiguous()
     xq, x_inv, xq_t, xt_inv = quantizer.tiles(x2, "input", True, need_dw)
-    wq, wq_t, w_inv = quantizer.blocks(weight.contiguous(), need_dx)
+    if weight_q is None:
+        wq, wq_t, w_inv = quantizer.blocks(weight.contiguous(), need_dx)
+    else:  # already in fp8 blocks (an fp8 all-gather's): a RecipeQuantizer's given_blocks
+        wq, wq_t, w_inv = quantizer.given_blocks(weight_q, need_dx)
     if bias_lo is None and bias is not None:
         bias_lo = bias.to(out_dtype)
     return _BlockFp8Linear.apply(x, weight, bias, xq, x_inv, xq_t, xt_inv, wq, wq_t, w_inv, bias_lo, quantizer,

@@ -7,6 +7,7 @@ import torch
 from .. import _torch_compat
 
 from ._rules import gemm_shapes_ok
+from .all_gather._sharded import ShardedFp8Weight
 from .recipes import Recipe
 
 __all__ = ["linear_arguments", "fp8_eligible"]
@@ -30,8 +31,10 @@ def linear_arguments(args, kwargs):
 def _plain(t) -> bool:
     # Tensor subclasses (DTensor, quantized wrappers) keep their own dispatch. type(), not
     # t.__class__: Dynamo before torch 2.13 answers the latter wrongly for a Parameter.
+    # A weight wrapped for fp8 all-gather (all_gather/) is its high-precision tensor here:
+    # outside FSDP2's all-gathers it takes the fp8 path as the plain weight would.
     cls = type(t)
-    return cls is _Tensor or cls is _Parameter
+    return cls is _Tensor or cls is _Parameter or cls is ShardedFp8Weight
 
 
 _LOOK_UP = object()

@@ -18,6 +18,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from .. import _torch_compat
 
+from ._gathered import columns
 from ._quantize import quantize
 from ._rules import bias_grad
 
@@ -134,8 +135,13 @@ def first_order_grads(meta, dy: torch.Tensor, saved, needs):
         x2, weight = saved[0], saved[1]
         if need_x:
             dyq, dy_inv = _rows(quantize(owner, dy2, "grad_output", site, True))
-            wtq, wt_inv = _rows(quantize(owner, weight.t(), "weight", None, False))
-            dx = mm(dyq, wtq, dy_inv, wt_inv.t(), meta.x_dtype)
+            gathered = columns(weight)  # all-gathered in fp8 for this gemm (fp8/all_gather/)
+            if gathered is not None:
+                wtq, wt_inv_t = gathered
+            else:
+                wtq, wt_inv = _rows(quantize(owner, weight.t(), "weight", None, False))
+                wt_inv_t = wt_inv.t()
+            dx = mm(dyq, wtq, dy_inv, wt_inv_t, meta.x_dtype)
         if need_w:
             if getattr(recipe, "weight_grad_high_precision", False):
                 low = meta.out_dtype

@@ -99,7 +99,10 @@ class QuantizedWeight:
     (``[scale, 1 / scale]``, float32), optionally ``data_t`` (``data.t().contiguous()``,
     which the input-gradient gemm takes; made here if missing), and the statistics the
     cast would have recorded: ``amax`` (float32, 0-d: of the whole weight) and
-    ``saturated`` (int64, 0-d). One scale per tensor only.
+    ``saturated`` (int64, 0-d). With one scale per row (row-wise scaling), ``sc`` is the
+    inverse scales ``(out, 1)`` and ``shown`` the smallest row scale (what the cast
+    records as the scale used; with one scale per tensor, ``sc[0]``). With block scaling,
+    ``sc`` is the inverse scales of the 128 x 128 blocks ``(out / 128, in / 128)``.
 
     Example::
 
@@ -112,6 +115,7 @@ class QuantizedWeight:
     amax: torch.Tensor
     saturated: torch.Tensor
     data_t: torch.Tensor | None = None
+    shown: torch.Tensor | None = None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe,
@@ -137,12 +141,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if site is not None:
         owner.prepare(site, x.device)
     if owner.rule.granularity == "block":
-        if weight_q is not None:
-            raise NotImplementedError(
-                "fp8_linear: BlockScaling takes the weight in high precision (it quantizes it in 128x128 blocks "
-                "itself); pass weight_q=None")
         quantizer = RecipeQuantizer(owner.rule, site, record_forward=phase != "recompute")
-        return block_fp8_linear(x, weight, bias, out_dtype, quantizer, quantize_bias(site, bias, out_dtype))
+        return block_fp8_linear(x, weight, bias, out_dtype, quantizer, quantize_bias(site, bias, out_dtype),
+                                weight_q=weight_q)
     x2 = x.reshape(-1, weight.shape[1])
     # The backward's gemms take the weight transposed (grad_input) and the input
     # transposed (grad_weight): made here, from the same read, only for the gradients
@@ -154,9 +155,17 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     xq, xq_t, x_sc, _ = quantize(owner, x2, "input", site, record, x_scale, need_qt=need_dw)
     if weight_q is not None:
         wq, w_sc = weight_q.data, weight_q.sc
+        if w_scale is not None and not bool((w_scale == w_sc[0]).all()):
+            # A recomputation replays its forward's weight scale; a weight quantized
+            # elsewhere cannot be cast again with it. One host read, in recomputations only.
+            raise RuntimeError(
+                "fp8: the recomputation of a checkpointed forward needs its weight cast with that forward's scale, "
+                "and the weight it was given already in fp8 (an fp8 all-gather's) has another (a delayed scale "
+                "that moved between accumulated micro-batches); use reduce_amax=True, or do not checkpoint it")
         wq_t = (weight_q.data_t if weight_q.data_t is not None else wq.t().contiguous()) if need_dx else None
         if record and site is not None:
-            record_quantized(owner, site, "weight", weight_q.amax, weight_q.saturated, w_sc)
+            shown = w_sc if weight_q.shown is None else weight_q.shown.reshape(1)
+            record_quantized(owner, site, "weight", weight_q.amax, weight_q.saturated, shown)
     elif tensorwise:
         wq, wq_t, w_sc = quantize_weight(owner, weight, site, record, w_scale, need_qt=need_dx)
     else:  # no cache: row-wise scales are the weight's own at every call
