@@ -241,6 +241,12 @@ struct Store : public std::enable_shared_from_this<Store> {
     }
   }
 
+  // Frees the casts outside the lock (freeing may run Python), in the map's slot order,
+  // and keeps the map's buckets for the next region: as native's cache, a map of the same
+  // kind cleared in place at the same point. Each region makes and frees the same casts in
+  // the same order as native, so the allocator hands out the same blocks; a cache that
+  // freed them in another order (or grew its map anew every region) measurably slowed the
+  // next region's casts of large weights.
   void clear() {
     Entries gone;
     {
@@ -249,6 +255,9 @@ struct Store : public std::enable_shared_from_this<Store> {
       order.clear();
       nbytes = 0;
     }
+    gone.clear();
+    std::lock_guard<std::mutex> lock(mu);
+    if (entries.empty() && entries.bucket_count() < gone.bucket_count()) entries.swap(gone);
   }
 
   void set_max_bytes(int64_t limit) {
