@@ -582,6 +582,18 @@ void region_closed() {
   if (tl_plans.size() > kPlansKept) tl_plans.pop_back();
 }
 
+// The cast_cache scope this thread found last and its twin, so that the next call in the
+// same scope finds its store without the attribute lookup and the pybind11 conversion
+// (inside cast_cache() every call that casts a weight reads the scope). The reference
+// keeps the object's address from being reused by another scope; it is never released at
+// thread exit (that needs the GIL): what a thread leaves is one closed, emptied store. The
+// raw pointer is kept alive by the object, which holds its twin.
+struct ScopeSeen {
+  PyObject* object = nullptr;
+  Store* store = nullptr;
+};
+thread_local ScopeSeen tl_scope;
+
 // Whether `t`'s Python class is torch.Tensor or Parameter (a subclass is never cached, as
 // in cast_one), and the store of this context (read once per call). The class is read
 // from the tensor's Python object without the GIL where torch exposes it (a tensor without
@@ -614,8 +626,12 @@ bool plain_class_and_store(const at::Tensor& t, CallState& cs) {
     if (PyContextVar_Get(g.scope_var, nullptr, &value) < 0) throw python_error();
     if (value == nullptr || value == Py_None) {
       cs.store = g_region;
+    } else if (value == tl_scope.object) {
+      // The scope this thread found last (a twin, once attached, never changes).
+      cs.store = tl_scope.store->open.load() ? tl_scope.store->shared_from_this() : g_region;
     } else {
-      PyObject* native = PyObject_GetAttrString(value, "native");
+      static PyObject* native_name = PyUnicode_InternFromString("native");
+      PyObject* native = PyObject_GetAttr(value, native_name);
       if (!native) {
         Py_DECREF(value);
         throw python_error();
@@ -627,6 +643,10 @@ bool plain_class_and_store(const at::Tensor& t, CallState& cs) {
         // A scope closed from another context (a generator finished elsewhere): the
         // per-region cache, as _cast_cache._store says.
         cs.store = store->open.load() ? store : g_region;
+        Py_INCREF(value);
+        Py_XDECREF(tl_scope.object);
+        tl_scope.object = value;
+        tl_scope.store = store.get();
       }
       Py_DECREF(native);
     }
