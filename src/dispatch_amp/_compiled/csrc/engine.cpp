@@ -1043,13 +1043,13 @@ template <class Op, class R, class... Args> struct Fast<Op, R(Args...)> {
       case LOWER:
       case FP32: {
         ++tl_unboxed.executed;
-        Slots s(std::forward<Args>(args)...);
+        Slots s(args...);  // copies: a call handed to the boxed kernel still has its arguments
         CallState cs;
         cast_slots(s, (rule & 0xff) == LOWER ? top.dtype : at::kFloat, cs, seq);
         return call_without_autocast(s);
       }
       case PROMOTE: {
-        Slots s(std::forward<Args>(args)...);
+        Slots s(args...);
         at::ScalarType widest = top.dtype;
         if (!promote_slots(s, widest, seq)) break;
         ++tl_unboxed.executed;
@@ -1058,7 +1058,7 @@ template <class Op, class R, class... Args> struct Fast<Op, R(Args...)> {
         return call_without_autocast(s);
       }
       case FP32_OPT_DTYPE: {
-        Slots s(std::forward<Args>(args)...);
+        Slots s(args...);
         if (!opt_dtype_slots(s, rule >> 8, seq)) break;
         ++tl_unboxed.executed;
         return call_without_autocast(s);
