@@ -27,6 +27,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/SmallVector.h>
+#include <c10/util/flat_hash_map.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/anomaly_mode.h>
@@ -107,9 +109,13 @@ struct Entry {
   uint32_t version;
   c10::Storage storage;
   const void* address;
-  std::vector<int64_t> sizes, strides;
+  // Inline up to 6 dimensions: a miss makes one entry per weight per region, and the
+  // allocations of a heap vector were a measurable part of it.
+  c10::SmallVector<int64_t, 6> sizes, strides;
   uint64_t generation;
   at::Tensor cast;
+  uint64_t seq = 0;  // when it was kept: the eviction order of a bounded store
+  bool ordered = false;  // whether `order` holds it (only while the store is bounded)
   std::list<c10::TensorImpl*>::iterator order;
   std::shared_ptr<BatchMark> mark;  // set when the cast came from a bucket
   size_t slot = 0;                   // its place in the bucket
@@ -121,8 +127,12 @@ void note_use(const at::Tensor& t);
 
 struct Store : public std::enable_shared_from_this<Store> {
   std::mutex mu;
-  std::unordered_map<c10::TensorImpl*, Entry> entries;
-  std::list<c10::TensorImpl*> order;  // oldest first, for max_bytes
+  // Open addressing, as native's cast cache: a region keeps and drops one entry per
+  // weight, and a node-based map allocated and freed one node for each.
+  using Entries = ska::flat_hash_map<c10::TensorImpl*, Entry>;
+  Entries entries;
+  std::list<c10::TensorImpl*> order;  // oldest first, for max_bytes (kept while bounded only)
+  uint64_t next_seq = 0;
   int64_t max_bytes = -1;             // -1: unbounded
   int64_t nbytes = 0;                 // counted while bounded
   std::atomic<bool> open{true};
@@ -182,9 +192,9 @@ struct Store : public std::enable_shared_from_this<Store> {
     return false;
   }
 
-  Entry take(std::unordered_map<c10::TensorImpl*, Entry>::iterator it) {
+  Entry take(Entries::iterator it) {
     Entry e = std::move(it->second);
-    order.erase(e.order);
+    if (e.ordered) order.erase(e.order);
     if (max_bytes >= 0) nbytes -= static_cast<int64_t>(e.cast.nbytes());
     entries.erase(it);
     return e;
@@ -203,15 +213,19 @@ struct Store : public std::enable_shared_from_this<Store> {
     e.version = version;
     e.storage = t.storage();
     e.address = address;
-    e.sizes = t.sizes().vec();
-    e.strides = t.strides().vec();
+    e.sizes.assign(t.sizes().begin(), t.sizes().end());
+    e.strides.assign(t.strides().begin(), t.strides().end());
     e.generation = generation;
     e.cast = std::move(cast);
     e.mark = std::move(mark);
     e.slot = slot;
-    order.push_back(key);
-    e.order = std::prev(order.end());
-    if (max_bytes >= 0) nbytes += static_cast<int64_t>(e.cast.nbytes());
+    e.seq = next_seq++;
+    if (max_bytes >= 0) {
+      order.push_back(key);
+      e.order = std::prev(order.end());
+      e.ordered = true;
+      nbytes += static_cast<int64_t>(e.cast.nbytes());
+    }
     entries.emplace(key, std::move(e));
     if (max_bytes >= 0) evict(key, dropped);
     // `dropped` is freed after the lock is released (declared before the guard).
@@ -227,14 +241,23 @@ struct Store : public std::enable_shared_from_this<Store> {
     }
   }
 
+  // Frees the casts outside the lock (freeing may run Python), in the map's slot order,
+  // and keeps the map's buckets for the next region: as native's cache, a map of the same
+  // kind cleared in place at the same point. Each region makes and frees the same casts in
+  // the same order as native, so the allocator hands out the same blocks; a cache that
+  // freed them in another order (or grew its map anew every region) measurably slowed the
+  // next region's casts of large weights.
   void clear() {
-    std::unordered_map<c10::TensorImpl*, Entry> gone;
+    Entries gone;
     {
       std::lock_guard<std::mutex> lock(mu);
       gone.swap(entries);
       order.clear();
       nbytes = 0;
     }
+    gone.clear();
+    std::lock_guard<std::mutex> lock(mu);
+    if (entries.empty() && entries.bucket_count() < gone.bucket_count()) entries.swap(gone);
   }
 
   void set_max_bytes(int64_t limit) {
@@ -242,8 +265,23 @@ struct Store : public std::enable_shared_from_this<Store> {
     std::lock_guard<std::mutex> lock(mu);
     max_bytes = limit;
     nbytes = 0;
+    order.clear();
+    for (auto& kv : entries) kv.second.ordered = false;
     if (limit < 0) return;
-    for (auto& kv : entries) nbytes += static_cast<int64_t>(kv.second.cast.nbytes());
+    // Bounded from now on: the eviction order, oldest kept first.
+    std::vector<std::pair<uint64_t, c10::TensorImpl*>> by_age;
+    by_age.reserve(entries.size());
+    for (auto& kv : entries) {
+      by_age.emplace_back(kv.second.seq, kv.first);
+      nbytes += static_cast<int64_t>(kv.second.cast.nbytes());
+    }
+    std::sort(by_age.begin(), by_age.end());
+    for (auto& [seq, key] : by_age) {
+      Entry& e = entries.find(key)->second;
+      order.push_back(key);
+      e.order = std::prev(order.end());
+      e.ordered = true;
+    }
     evict(nullptr, dropped);
   }
 
@@ -544,6 +582,18 @@ void region_closed() {
   if (tl_plans.size() > kPlansKept) tl_plans.pop_back();
 }
 
+// The cast_cache scope this thread found last and its twin, so that the next call in the
+// same scope finds its store without the attribute lookup and the pybind11 conversion
+// (inside cast_cache() every call that casts a weight reads the scope). The reference
+// keeps the object's address from being reused by another scope; it is never released at
+// thread exit (that needs the GIL): what a thread leaves is one closed, emptied store. The
+// raw pointer is kept alive by the object, which holds its twin.
+struct ScopeSeen {
+  PyObject* object = nullptr;
+  Store* store = nullptr;
+};
+thread_local ScopeSeen tl_scope;
+
 // Whether `t`'s Python class is torch.Tensor or Parameter (a subclass is never cached, as
 // in cast_one), and the store of this context (read once per call). The class is read
 // from the tensor's Python object without the GIL where torch exposes it (a tensor without
@@ -576,8 +626,12 @@ bool plain_class_and_store(const at::Tensor& t, CallState& cs) {
     if (PyContextVar_Get(g.scope_var, nullptr, &value) < 0) throw python_error();
     if (value == nullptr || value == Py_None) {
       cs.store = g_region;
+    } else if (value == tl_scope.object) {
+      // The scope this thread found last (a twin, once attached, never changes).
+      cs.store = tl_scope.store->open.load() ? tl_scope.store->shared_from_this() : g_region;
     } else {
-      PyObject* native = PyObject_GetAttrString(value, "native");
+      static PyObject* native_name = PyUnicode_InternFromString("native");
+      PyObject* native = PyObject_GetAttr(value, native_name);
       if (!native) {
         Py_DECREF(value);
         throw python_error();
@@ -589,6 +643,10 @@ bool plain_class_and_store(const at::Tensor& t, CallState& cs) {
         // A scope closed from another context (a generator finished elsewhere): the
         // per-region cache, as _cast_cache._store says.
         cs.store = store->open.load() ? store : g_region;
+        Py_INCREF(value);
+        Py_XDECREF(tl_scope.object);
+        tl_scope.object = value;
+        tl_scope.store = store.get();
       }
       Py_DECREF(native);
     }
@@ -813,20 +871,25 @@ struct Kernel : public c10::OperatorKernel {
     op.callBoxed(stack);
   }
 
-  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
-    const Top& top = tls;
+  // Whether this file executes the call (else the Python kernel does): see the top of
+  // the file. The unboxed kernels below ask the same question first.
+  static bool executes(c10::DispatchKeySet ks, const Top& top) {
     if (!top.on || top.plan < 0 || top.plan >= kMaxPlans || !(ks & g.to_python).empty() ||
         ks.has_backend(c10::BackendComponent::MetaBit))
-      return to_python(op, ks, stack);
+      return false;
     // A native region opened inside our innermost raised torch's nesting counter.
     if (top.depth >= 0) {
       at::autocast::increment_nesting();
-      if (at::autocast::decrement_nesting() > top.depth) return to_python(op, ks, stack);
+      if (at::autocast::decrement_nesting() > top.depth) return false;
     }
     // torch's state switched by hand inside the region: Python follows it.
-    if (c10::impl::tls_is_dispatch_key_excluded(top.native_key) ||
-        at::autocast::get_autocast_dtype(top.device) != top.dtype)
-      return to_python(op, ks, stack);
+    return !c10::impl::tls_is_dispatch_key_excluded(top.native_key) &&
+           at::autocast::get_autocast_dtype(top.device) == top.dtype;
+  }
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+    const Top& top = tls;
+    if (!executes(ks, top)) return to_python(op, ks, stack);
     uint32_t rule = rule_for(top.plan);
     size_t n = op.schema().arguments().size();
     size_t base = stack->size() - n;
@@ -861,9 +924,194 @@ struct Kernel : public c10::OperatorKernel {
   }
 };
 
+// -- unboxed kernels for the overloads models call most -------------------------------------
+// The dispatcher calls a boxed kernel with its arguments packed into IValues, and the op
+// called again from it unpacks them (and packs its result) once more: on a linear layer
+// that is a few hundred nanoseconds native's unboxed kernels do not spend. For the
+// overloads in `fast_overloads` (matmuls, convolutions, attention, norms, softmax, the
+// losses models end with) the kernel registered at our key is unboxed, typed by the
+// overload's signature in the torch this file is compiled against (`at::_ops::<op>`). It
+// asks `Kernel::executes` and reads the same rule as the boxed kernel, casts the same
+// tensors in the same order through the same `cast_one`, and calls the op with every
+// autocast key excluded; any call it does not execute (a Python rule, a dispatch mode, a
+// promote between two low-precision dtypes) it packs and hands to the boxed kernel of the
+// same overload. One behaviour, two entry points: tests/compiled/test_engine.py checks
+// that every overload here takes the unboxed kernel and gives the boxed kernel's results.
+
+// What a call's argument becomes while its tensors are cast: a tensor (or an optional
+// one) is held by value so that its cast can replace it; anything else is kept as given.
+template <class A> struct Slot { using type = A; };
+template <> struct Slot<const at::Tensor&> { using type = at::Tensor; };
+template <> struct Slot<const std::optional<at::Tensor>&> { using type = std::optional<at::Tensor>; };
+
+inline void cast_slot(at::Tensor& t, at::ScalarType dtype, CallState& cs) { t = cast_one(t, dtype, cs); }
+inline void cast_slot(std::optional<at::Tensor>& t, at::ScalarType dtype, CallState& cs) {
+  if (t.has_value()) *t = cast_one(*t, dtype, cs);
+}
+template <class T> inline void cast_slot(T&, at::ScalarType, CallState&) {}
+
+// promote_dtype's `see` over one argument; false: a dtype promote does not handle.
+inline bool see_slot(const at::Tensor& t, at::ScalarType& widest) {
+  auto d = t.scalar_type();
+  if (d == widest || d == at::kDouble || !at::isFloatingType(d) || t.device().type() != tls.device) return true;
+  if (d == at::kFloat || widest == at::kFloat) {
+    widest = at::kFloat;
+    return true;
+  }
+  return false;
+}
+inline bool see_slot(const std::optional<at::Tensor>& t, at::ScalarType& widest) {
+  return !t.has_value() || see_slot(*t, widest);
+}
+template <class T> inline bool see_slot(const T&, at::ScalarType&) { return true; }
+
+// The fp32-unless-dtype rule's argument: float32 when none is given and the first
+// argument is an eligible tensor; false: the rule's position is not such an argument.
+inline bool set_opt_dtype(std::optional<at::ScalarType>& d, bool first_eligible) {
+  if (!d.has_value() && first_eligible) d = at::kFloat;
+  return true;
+}
+template <class T> inline bool set_opt_dtype(T&, bool) { return false; }
+
+template <class T> inline bool first_eligible(const T&) { return false; }
+inline bool first_eligible(const at::Tensor& t) { return eligible(t, tls.device); }
+
+template <class T> struct IsTensorList : std::false_type {};
+template <> struct IsTensorList<at::TensorList> : std::true_type {};
+template <> struct IsTensorList<const at::ITensorListRef&> : std::true_type {};
+template <> struct IsTensorList<const c10::List<std::optional<at::Tensor>>&> : std::true_type {};
+
+// This thread's calls of the unboxed kernels: executed here, and handed to the boxed
+// kernel (what tests/compiled/test_unboxed.py reads; a thread-local add costs nothing).
+struct UnboxedCounts {
+  uint64_t executed = 0;
+  uint64_t handed = 0;
+};
+thread_local UnboxedCounts tl_unboxed;
+
+template <class Op, class Sig = typename Op::schema> struct Fast;
+template <class Op, class R, class... Args> struct Fast<Op, R(Args...)> {
+  static_assert(!(IsTensorList<Args>::value || ...),
+                "an overload with a list of tensors stays boxed (cast_argument handles lists)");
+  using Slots = std::tuple<typename Slot<Args>::type...>;
+  static constexpr size_t N = sizeof...(Args);
+
+  template <size_t... I>
+  static void cast_slots(Slots& s, at::ScalarType dtype, CallState& cs, std::index_sequence<I...>) {
+    // Native's order (see Config::last_first); a fold over `,` runs left to right.
+    if (g.last_first) {
+      (cast_slot(std::get<N - 1 - I>(s), dtype, cs), ...);
+    } else {
+      (cast_slot(std::get<I>(s), dtype, cs), ...);
+    }
+  }
+
+  template <size_t... I>
+  static bool promote_slots(const Slots& s, at::ScalarType& widest, std::index_sequence<I...>) {
+    return (see_slot(std::get<I>(s), widest) && ...);
+  }
+
+  template <size_t... I>
+  static bool opt_dtype_slots(Slots& s, size_t position, std::index_sequence<I...>) {
+    bool first = first_eligible(std::get<0>(s));
+    bool found = false;
+    ((found = found || (I == position && set_opt_dtype(std::get<I>(s), first))), ...);
+    return found;
+  }
+
+  static R call_without_autocast(Slots& s) {
+    c10::impl::ExcludeDispatchKeyGuard guard(g.autocast_keys);
+    return std::apply([](auto&... a) { return Op::call(a...); }, s);
+  }
+
+  static R boxed(Kernel* kernel, const c10::OperatorHandle& op, c10::DispatchKeySet ks, Args... args) {
+    ++tl_unboxed.handed;
+    torch::jit::Stack stack = c10::impl::boxArgs<Args...>(std::forward<Args>(args)...);
+    (*kernel)(op, ks, &stack);
+    return c10::impl::PopResult<R>::call(stack);
+  }
+
+  static R run(Kernel* kernel, const c10::OperatorHandle& op, c10::DispatchKeySet ks, Args... args) {
+    const Top& top = tls;
+    if (!Kernel::executes(ks, top)) return boxed(kernel, op, ks, std::forward<Args>(args)...);
+    uint32_t rule = kernel->rule_for(top.plan);
+    auto seq = std::index_sequence_for<Args...>{};
+    switch (static_cast<Kind>(rule & 0xff)) {
+      case GIVEN:
+        ++tl_unboxed.executed;
+        return Op::redispatch(ks & g.below_autocast, std::forward<Args>(args)...);
+      case LOWER:
+      case FP32: {
+        ++tl_unboxed.executed;
+        Slots s(args...);  // copies: a call handed to the boxed kernel still has its arguments
+        CallState cs;
+        cast_slots(s, (rule & 0xff) == LOWER ? top.dtype : at::kFloat, cs, seq);
+        return call_without_autocast(s);
+      }
+      case PROMOTE: {
+        Slots s(args...);
+        at::ScalarType widest = top.dtype;
+        if (!promote_slots(s, widest, seq)) break;
+        ++tl_unboxed.executed;
+        CallState cs;
+        cast_slots(s, widest, cs, seq);
+        return call_without_autocast(s);
+      }
+      case FP32_OPT_DTYPE: {
+        Slots s(args...);
+        if (!opt_dtype_slots(s, rule >> 8, seq)) break;
+        ++tl_unboxed.executed;
+        return call_without_autocast(s);
+      }
+      default:
+        break;
+    }
+    return boxed(kernel, op, ks, std::forward<Args>(args)...);
+  }
+
+  static torch::CppFunction make(Kernel* kernel, c10::OperatorHandle op) {
+    return torch::CppFunction([kernel, op](c10::DispatchKeySet ks, Args... args) -> R {
+      return run(kernel, op, ks, std::forward<Args>(args)...);
+    });
+  }
+};
+
+using FastMaker = torch::CppFunction (*)(Kernel*, c10::OperatorHandle);
+
+template <class Op> std::pair<std::string, FastMaker> fast_entry() {
+  std::string key = Op::name;
+  if (Op::overload_name[0] != '\0') key += std::string(".") + Op::overload_name;
+  return {key, [](Kernel* kernel, c10::OperatorHandle op) { return Fast<Op>::make(kernel, op); }};
+}
+
+// The overloads with an unboxed kernel: those native's CPU and CUDA tables cast that real
+// models call per layer. Any other overload a policy casts keeps the boxed kernel, which
+// behaves the same, a little slower per call.
+const std::unordered_map<std::string, FastMaker>& fast_overloads() {
+  namespace ops = at::_ops;
+  static const std::unordered_map<std::string, FastMaker> table = {
+      fast_entry<ops::linear>(), fast_entry<ops::addmm>(), fast_entry<ops::mm>(), fast_entry<ops::bmm>(),
+      fast_entry<ops::baddbmm>(), fast_entry<ops::matmul>(), fast_entry<ops::addmv>(), fast_entry<ops::mv>(),
+      fast_entry<ops::conv1d>(), fast_entry<ops::conv2d>(), fast_entry<ops::conv3d>(),
+      fast_entry<ops::conv_transpose1d>(), fast_entry<ops::conv_transpose2d_input>(),
+      fast_entry<ops::conv_transpose3d_input>(), fast_entry<ops::convolution>(), fast_entry<ops::_convolution>(),
+      fast_entry<ops::prelu>(), fast_entry<ops::scaled_dot_product_attention>(),
+      fast_entry<ops::layer_norm>(), fast_entry<ops::native_layer_norm>(), fast_entry<ops::group_norm>(),
+      fast_entry<ops::softmax_int>(), fast_entry<ops::log_softmax_int>(), fast_entry<ops::nll_loss>(),
+      fast_entry<ops::nll_loss_nd>(), fast_entry<ops::cross_entropy_loss>(), fast_entry<ops::mse_loss>(),
+      fast_entry<ops::binary_cross_entropy_with_logits>(), fast_entry<ops::exp>(), fast_entry<ops::log>(),
+      fast_entry<ops::rsqrt>(), fast_entry<ops::pow_Tensor_Scalar>(), fast_entry<ops::sum>(),
+      fast_entry<ops::sum_dim_IntList>(), fast_entry<ops::cumsum>(), fast_entry<ops::addcmul>(),
+      fast_entry<ops::addcdiv>(),
+  };
+  return table;
+}
+
 std::vector<std::unique_ptr<torch::Library>> g_libraries;
 std::unordered_map<std::string, torch::Library*> g_library_by_namespace;
-std::vector<Kernel*> g_kernels;  // owned by the dispatcher's registrations
+std::vector<Kernel*> g_kernels;  // owned by the dispatcher's registrations, or g_fallbacks
+std::vector<std::unique_ptr<Kernel>> g_fallbacks;  // the boxed kernels behind unboxed ones
+std::unordered_set<std::string> g_fast;  // the overloads registered with an unboxed kernel
 
 // -- what Python calls ---------------------------------------------------------------------
 void init(bool last_first, pybind11::object scope_var, pybind11::object tensor_type,
@@ -903,8 +1151,19 @@ int64_t register_kernel(const std::string& ns, const std::string& name, pybind11
   }
   auto kernel = std::make_unique<Kernel>(python_kernel.ptr(), static_cast<int64_t>(g_kernels.size()));
   Kernel* raw = kernel.get();
-  library->impl(name.c_str(), torch::dispatch(c10::DispatchKey::AutocastPrivateUse1,
-                                              torch::CppFunction::makeFromBoxedFunctor(std::move(kernel))));
+  auto fast = fast_overloads().find(ns + "::" + name);
+  if (fast == fast_overloads().end()) {
+    library->impl(name.c_str(), torch::dispatch(c10::DispatchKey::AutocastPrivateUse1,
+                                                torch::CppFunction::makeFromBoxedFunctor(std::move(kernel))));
+  } else {
+    // The boxed kernel stays, unregistered, as the unboxed one's fallback (owned here).
+    auto dot = name.find('.');
+    auto op = c10::Dispatcher::singleton().findSchemaOrThrow(
+        (ns + "::" + name.substr(0, dot)).c_str(), dot == std::string::npos ? "" : name.substr(dot + 1).c_str());
+    g_fallbacks.push_back(std::move(kernel));
+    library->impl(name.c_str(), torch::dispatch(c10::DispatchKey::AutocastPrivateUse1, fast->second(raw, op)));
+    g_fast.insert(ns + "::" + name);
+  }
   g_kernels.push_back(raw);
   return static_cast<int64_t>(g_kernels.size() - 1);
 }
@@ -954,6 +1213,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_rule", &set_rule);
   m.def("set_top", &set_top);
   m.def("max_plans", [] { return kMaxPlans; });
+  m.def("unboxed_overloads", [] {  // the registered overloads whose kernel is unboxed
+    std::vector<std::string> out(g_fast.begin(), g_fast.end());
+    std::sort(out.begin(), out.end());
+    return out;
+  });
+  m.def("unboxed_counts", [] {  // this thread's unboxed calls: (executed here, handed to the boxed kernel)
+    return pybind11::make_tuple(tl_unboxed.executed, tl_unboxed.handed);
+  });
+  m.def("unboxed_candidates", [] {  // every overload that would get an unboxed kernel
+    std::vector<std::string> out;
+    for (const auto& kv : fast_overloads()) out.push_back(kv.first);
+    std::sort(out.begin(), out.end());
+    return out;
+  });
   m.def("bump_generation", [] { g_generation.fetch_add(1, std::memory_order_acq_rel); });
   m.def("set_scopes_open", [](int64_t n) { g_scopes.store(n, std::memory_order_release); });
   m.def("top", [] {
