@@ -86,16 +86,14 @@ Note: torch.compile
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-
 import torch
 from torch.overrides import TorchFunctionMode
 
 from .. import _torch_compat
 from . import _cast_cache, _compiled_engine, _dispatch_key
-from ._state import STATE, DeviceContext, Region, ThreadState
+from ._state import STATE, DeviceContext, Region, ThreadState, View
 from ._tokens import BUILTIN_TOKEN, pin_current, release_pins, token_for
+from typing import NamedTuple
 from ._tracing_path import trace_call
 
 _NATIVE_CLEAR = torch.clear_autocast_cache  # the genuine one, before anyone replaces it
@@ -105,13 +103,24 @@ _functorch_config = torch._functorch.config
 _increment_nesting = torch.autocast_increment_nesting
 _decrement_nesting = torch.autocast_decrement_nesting
 _set_native_enabled = torch.set_autocast_enabled
+_is_native_enabled = torch.is_autocast_enabled
+_get_dtype = torch.get_autocast_dtype
+_set_dtype = torch.set_autocast_dtype
+_is_cache_enabled = torch.is_autocast_cache_enabled
+_set_cache_enabled = torch.set_autocast_cache_enabled
+_include_key = _torch_compat.set_dispatch_key_included
+_exclude_key = _torch_compat.set_dispatch_key_excluded
+_KEY = _dispatch_key.KEY
+_ENGINE = _compiled_engine.ENGINE
 _PU1 = "privateuseone"
 
 
 # -- entering and leaving a context -----------------------------------------------------
-@dataclass(frozen=True)
-class NativeState:
-    """torch's autocast state for one device type, as an entered context found it."""
+class NativeState(NamedTuple):
+    """torch's autocast state for one device type, as an entered context found it.
+
+    A named tuple rather than a frozen dataclass: one is made at every region's entry,
+    and a tuple is made several times faster."""
 
     device_type: str
     enabled: bool
@@ -125,9 +134,9 @@ class NativeState:
     def read(cls, device_type: str, backward_autocast: object = None) -> NativeState:
         return cls(
             device_type,
-            torch.is_autocast_enabled(device_type),
-            torch.get_autocast_dtype(device_type),
-            torch.is_autocast_cache_enabled(),
+            _is_native_enabled(device_type),
+            _get_dtype(device_type),
+            _is_cache_enabled(),
             backward_autocast,
         )
 
@@ -140,25 +149,31 @@ def enter(ctx: DeviceContext) -> dict[str, DeviceContext]:
     interrupt, see "Note: interrupts") undoes what was done: the region is not open.
     """
     st = STATE
+    device_type = ctx.device_type
     if ctx.enabled:
-        _prepare(ctx)
+        if ctx.plan not in _PREPARED:
+            _prepare(ctx)
         _compile_hooks.install()  # again after torch._dynamo.reset(), which drops callbacks
-    changes_backward = ctx.enabled and ctx.custom  # a config read and write cost microseconds
-    saved = NativeState.read(
-        ctx.device_type, _functorch_config.backward_pass_autocast if changes_backward else None
+        changes_backward = ctx.custom  # a config read and write cost microseconds
+    else:
+        changes_backward = False
+    saved = NativeState(
+        device_type, _is_native_enabled(device_type), _get_dtype(device_type), _is_cache_enabled(),
+        _functorch_config.backward_pass_autocast if changes_backward else None,
     )
-    below = len(st.regions)
+    regions = st.regions
+    below = len(regions)
     depth = None
     try:
         if changes_backward:
             _functorch_config.backward_pass_autocast = "off"
-        _set_native_enabled(ctx.device_type, ctx.enabled)
-        torch.set_autocast_dtype(ctx.device_type, ctx.dtype)
+        _set_native_enabled(device_type, ctx.enabled)
+        _set_dtype(device_type, ctx.dtype)
         depth = _increment_nesting()
-        torch.set_autocast_cache_enabled(ctx.cache_enabled)
-        frame = dict(current_frame())
-        frame[ctx.device_type] = ctx
-        _push_frame(st, Region(frame, depth, ctx, saved))
+        _set_cache_enabled(ctx.cache_enabled)
+        frame = dict(regions[-1].frame) if regions else {}
+        frame[device_type] = ctx
+        _push_frame(st, Region(frame, depth, ctx, saved, _view(frame, depth)))
         return frame
     except BaseException:
         del st.regions[below:]
@@ -243,10 +258,11 @@ def _restore_native(saved: NativeState, remaining: int | None) -> None:
     """Puts back torch's state as ``saved`` holds it; ``remaining``: the nesting counter
     after this region's decrement (0 clears native's cast cache, as torch does)."""
     if remaining == 0:
-        torch.clear_autocast_cache()
-    _set_native_enabled(saved.device_type, saved.enabled)
-    torch.set_autocast_dtype(saved.device_type, saved.dtype)
-    torch.set_autocast_cache_enabled(saved.cache_enabled)
+        torch.clear_autocast_cache()  # looked up per call: code may replace it (see _uninstall)
+    device_type = saved.device_type
+    _set_native_enabled(device_type, saved.enabled)
+    _set_dtype(device_type, saved.dtype)
+    _set_cache_enabled(saved.cache_enabled)
     if saved.backward_autocast is not None:
         _functorch_config.backward_pass_autocast = saved.backward_autocast
 
@@ -258,10 +274,12 @@ def _push_frame(st: ThreadState, region: Region) -> None:
     # handler's) finds the stack with this region whole or without it.
     st.regions.append(region)
     _refresh(st)
+    wants_fp8 = region.view.fp8_recipe is not None  # an active context has an fp8 recipe
+    if not wants_fp8:
+        return
     index = len(st.regions) - 1
     # The fp8 level is recorded before it goes on torch's stack (see "Note: interrupts").
-    wants_fp8 = any(ctx.fp8 is not None for ctx in st.active)
-    if st.fp8_level is None and wants_fp8:
+    if st.fp8_level is None:
         st.fp8_level, st.fp8_installer = st.fp8_mode, index
         _torch_compat.push_function_stack(st.fp8_mode)
     elif wants_fp8 and not _on_function_stack(st.fp8_level):
@@ -303,10 +321,10 @@ def _remove_frame(st: ThreadState, index: int) -> None:
         _set_native_enabled(own.device_type, saved.enabled)
         torch.set_autocast_dtype(own.device_type, saved.dtype)
     else:
-        set_saved(same_device, dataclasses.replace(
-            saved, backward_autocast=regions[same_device].saved.backward_autocast
+        set_saved(same_device, saved._replace(
+            backward_autocast=regions[same_device].saved.backward_autocast
         ))
-    set_saved(index + 1, dataclasses.replace(regions[index + 1].saved, cache_enabled=saved.cache_enabled))
+    set_saved(index + 1, regions[index + 1].saved._replace(cache_enabled=saved.cache_enabled))
     if saved.backward_autocast is not None:
         changed_too = next(
             (j for j in range(index + 1, top + 1) if regions[j].saved.backward_autocast is not None), None
@@ -314,19 +332,19 @@ def _remove_frame(st: ThreadState, index: int) -> None:
         if changed_too is None:
             _functorch_config.backward_pass_autocast = saved.backward_autocast
         else:
-            set_saved(changed_too, dataclasses.replace(
-                regions[changed_too].saved, backward_autocast=saved.backward_autocast
+            set_saved(changed_too, regions[changed_too].saved._replace(
+                backward_autocast=saved.backward_autocast
             ))
     _decrement_nesting()  # a region above is still open: never the outermost
     _drop(st, index)
     for j in range(index, len(regions)):
         region = regions[j]
-        regions[j] = region._replace(depth=region.depth - 1)
         frame = region.frame  # rebuilt in place: it is also that region's handle
         frame.clear()
         if j:
             frame.update(regions[j - 1].frame)
         frame[region.own.device_type] = region.own
+        regions[j] = region._replace(depth=region.depth - 1, view=_view(frame, region.depth - 1))
     if index in st.fp8_repushers:
         _take_off_function_stack(st.fp8_mode)
         st.fp8_repushers.remove(index)
@@ -356,7 +374,7 @@ def _uninstall(st: ThreadState, index: int) -> None:
 
     Safe to repeat after an interruption: each record is cleared after its level is off.
     """
-    if index in st.fp8_repushers:
+    if st.fp8_repushers and index in st.fp8_repushers:
         _take_off_function_stack(st.fp8_mode)
         st.fp8_repushers.remove(index)
     if st.fp8_installer == index:
@@ -367,11 +385,11 @@ def _uninstall(st: ThreadState, index: int) -> None:
     # for a backward run after the region (torch's own tests of its global cache do) keeps
     # ours too: only the genuine function drops them.
     if not st.regions:
-        compiled = _compiled_engine.ENGINE.module
+        compiled = _ENGINE.module
         if compiled is not None:  # its batched casts: unused ones cut off, the next plan made
             compiled.region_closed()
-    if not st.regions and torch.clear_autocast_cache is _NATIVE_CLEAR:
-        _cast_cache.region_closed()
+        if torch.clear_autocast_cache is _NATIVE_CLEAR:
+            _cast_cache.region_closed()
 
 
 def _take_off_function_stack(mode: TorchFunctionMode) -> None:
@@ -398,49 +416,78 @@ def current_frame() -> dict[str, DeviceContext]:
     return regions[-1].frame if regions else {}
 
 
-def _refresh(st: ThreadState) -> None:
-    """Derives everything the kernels read from the frames: the contexts in force, our
-    key's state and our token (see "Note: the engine lives in the dispatcher")."""
-    regions = st.regions
-    top = regions[-1] if regions else None
-    st.active = () if top is None else tuple(ctx for ctx in top.frame.values() if ctx.enabled)
-    primary = st.primary = st.active[0] if len(st.active) == 1 else None
-    depth = st.native_depth = -1 if top is None else top.depth
+# No region open: nothing active, the compiled kernels told there is no context.
+_NO_REGION = View((), None, -1, None, (False, -1, "cpu", None, -1), False, None)
+
+
+def _view(frame: dict[str, DeviceContext], depth: int) -> View:
+    """What the kernels read while the region of ``frame`` (nesting counter ``depth``) is
+    innermost; ``_refresh`` copies it into the thread's state."""
+    if len(frame) == 1:  # the common case, one device type: made once per context and depth
+        (ctx,) = frame.values()
+        view = ctx.views.get(depth)
+        if view is None:
+            view = ctx.views[depth] = _make_view((ctx,) if ctx.enabled else (), depth)
+        return view
+    return _make_view(tuple(ctx for ctx in frame.values() if ctx.enabled), depth)
+
+
+def _make_view(active: tuple, depth: int) -> View:
+    if not active:
+        return View((), None, depth, None, _NO_REGION.compiled_top, False, None)
+    custom = any(ctx.custom or ctx.fp8 is not None for ctx in active)
+    fp8_recipe = next((ctx.fp8 for ctx in active if ctx.fp8 is not None), None)
+    primary = active[0] if len(active) == 1 else None
     # The kernels' fast path. Its depth is None under a built-in policy without an fp8
     # recipe: there a native region opened inside ours would cast as ours does (the same
     # table; its dtype and enabled state are followed as a hand switch is), so the kernel
     # skips the nesting counter's two reads ("Note: torch sees our state as native state").
-    st.top = None if primary is None else (
+    top = None if primary is None else (
         primary, depth if primary.custom or primary.fp8 is not None else None,
         primary.native_key, primary.device_type, primary.dtype, primary.handlers,
     )
-    compiled = _compiled_engine.ENGINE.module
+    # Every enabled context was prepared when its region was entered, so its plan's
+    # number for the compiled side is fixed by now.
+    return View(active, primary, depth, top, _compiled_engine.set_top_arguments(top), custom, fp8_recipe)
+
+
+def _refresh(st: ThreadState) -> None:
+    """Sets everything the kernels read from the innermost region's view: the contexts in
+    force, our key's state and our token (see "Note: the engine lives in the dispatcher")."""
+    regions = st.regions
+    view = regions[-1].view if regions else _NO_REGION
+    active = st.active = view.active
+    st.primary = view.primary
+    st.native_depth = view.depth
+    st.top = view.top
+    compiled = _ENGINE.module
     if compiled is not None:  # the compiled kernels' copy of it (set as often as st.top)
-        _compiled_engine.set_top(compiled, st.top)
+        compiled.set_top(*view.compiled_top)
     # Each step is recorded before it is taken and every call sets the key's state anew,
     # so a repeat after an interrupt finishes the job (see "Note: interrupts").
-    if st.active:
+    if active:
         if not st.key_on:
             # Read, then look again: a region opened after the read (a signal handler's)
             # turns the key on and leaves our token in torch's state, which must not be
             # what is restored.
-            token_saved = torch.get_autocast_dtype(_PU1)
+            token_saved = _get_dtype(_PU1)
             if not st.key_on:
                 st.token_saved = token_saved
                 st.key_on = True
-        _dispatch_key.switch(True)
-        token = token_for(st.active)
-        if torch.get_autocast_dtype(_PU1) is not token:
-            torch.set_autocast_dtype(_PU1, token)
+        _exclude_key(_KEY, False)  # _dispatch_key.switch(True), without the call
+        _include_key(_KEY, True)
+        token = token_for(active) if view.custom else BUILTIN_TOKEN
+        if _get_dtype(_PU1) is not token:
+            _set_dtype(_PU1, token)
     else:
-        _dispatch_key.switch(False)
+        _include_key(_KEY, False)  # _dispatch_key.switch(False)
+        _exclude_key(_KEY, True)
         if st.key_on:
-            torch.set_autocast_dtype(_PU1, st.token_saved if st.token_saved is not None else BUILTIN_TOKEN)
+            _set_dtype(_PU1, st.token_saved if st.token_saved is not None else BUILTIN_TOKEN)
             st.key_on = False
     mode = st.fp8_mode
     if mode is not None:
-        fp8_ctx = next((ctx for ctx in st.active if ctx.fp8 is not None), None)
-        mode.fp8_recipe = None if fp8_ctx is None else fp8_ctx.fp8
+        mode.fp8_recipe = view.fp8_recipe
 
 
 def clear_cache() -> None:
@@ -478,14 +525,15 @@ class _CompileHooks:
 
     def __init__(self):
         self.saved_cache_flag = None
+        self.start = self._start  # one bound method, looked for at every region's entry
 
     def install(self) -> None:
         """Registers the callbacks unless they are registered (``torch._dynamo.reset()``
         drops every callback: each region's entry checks). Found dropped, the reset also
         dropped every compiled graph: no token is held by one any more."""
-        if not _torch_compat.compile_callback_registered(self._start):
+        if not _torch_compat.compile_callback_registered(self.start):
             release_pins()
-            _torch_compat.on_compile_start(self._start)
+            _torch_compat.on_compile_start(self.start)
             _torch_compat.on_compile_end(self._end)
 
     def _start(self, *args) -> None:
