@@ -81,6 +81,10 @@ def region_closed() -> None:
     ``cast_cache`` scope), or its ``cast_cache`` scope did. Its fp8 copies are freed."""
     life = _LIFE
     owner, sites = life.owner, life.sites
+    if not sites:
+        # No copy was made in this lifetime (a site is recorded before its copy is kept):
+        # none holds its owner, which can serve the next lifetime as a new one would.
+        return
     life.owner, life.sites = object(), set()
     for site in sites:
         cached = site.cached
@@ -203,9 +207,9 @@ def quantize_weight(owner, weight: torch.Tensor, site, record: bool,
     if snapshot:
         holder = site.alive()
         held = found if holder is weight else (None if holder is None else _identity(holder))
+        life.sites.add(site)  # first: no copy of this lifetime is kept unrecorded (region_closed)
         site.cached = _Cached(key, q, q_t, sc, tuple(snapshot), storage, life.owner, generation,
                               None if held is None else held[1])
-        life.sites.add(site)
         owner.watch()  # the copy is dropped before the next optimizer step
     return q, q_t, sc
 
@@ -242,8 +246,8 @@ def quantize_bias(site, bias: torch.Tensor | None, out_dtype: torch.dtype) -> to
     if cached is not None and cached[2] is life.owner and cached[1] is storage and cached[0] == key:
         return cached[3]
     low = bias.detach().to(out_dtype)
+    life.sites.add(site)  # first, as in quantize_weight
     site.cached_bias = (key, storage, life.owner, low)
-    life.sites.add(site)
     return low
 
 
