@@ -113,6 +113,7 @@ _exclude_key = _torch_compat.set_dispatch_key_excluded
 _KEY = _dispatch_key.KEY
 _ENGINE = _compiled_engine.ENGINE
 _PU1 = "privateuseone"
+_new_tuple = tuple.__new__
 
 
 # -- entering and leaving a context -----------------------------------------------------
@@ -153,14 +154,19 @@ def enter(ctx: DeviceContext) -> dict[str, DeviceContext]:
     if ctx.enabled:
         if ctx.plan not in _PREPARED:
             _prepare(ctx)
-        _compile_hooks.install()  # again after torch._dynamo.reset(), which drops callbacks
+        # Again after torch._dynamo.reset(), which drops callbacks (install's own test, first
+        # here: a call less per region).
+        if not _torch_compat.compile_callback_registered(_compile_hooks.start):
+            _compile_hooks.install()
         changes_backward = ctx.custom  # a config read and write cost microseconds
     else:
         changes_backward = False
-    saved = NativeState(
+    # NativeState(...) and Region(...) below, made as tuple.__new__ makes them: a named
+    # tuple's own __new__ is a Python function, a call more at every entry.
+    saved = _new_tuple(NativeState, (
         device_type, _is_native_enabled(device_type), _get_dtype(device_type), _is_cache_enabled(),
         _functorch_config.backward_pass_autocast if changes_backward else None,
-    )
+    ))
     regions = st.regions
     below = len(regions)
     depth = None
@@ -171,9 +177,14 @@ def enter(ctx: DeviceContext) -> dict[str, DeviceContext]:
         _set_dtype(device_type, ctx.dtype)
         depth = _increment_nesting()
         _set_cache_enabled(ctx.cache_enabled)
-        frame = dict(regions[-1].frame) if regions else {}
-        frame[device_type] = ctx
-        _push_frame(st, Region(frame, depth, ctx, saved, _view(frame, depth)))
+        if regions:
+            frame = dict(regions[-1].frame)
+            frame[device_type] = ctx
+            view = _view(frame, depth)
+        else:  # the outermost region: _view's one-context case, without the call
+            frame = {device_type: ctx}
+            view = ctx.views.get(depth) or _view(frame, depth)
+        _push_frame(st, _new_tuple(Region, (frame, depth, ctx, saved, view)))
         return frame
     except BaseException:
         del st.regions[below:]
@@ -210,7 +221,8 @@ def leave(frame: dict[str, DeviceContext]) -> None:
     An exception part-way (an interrupt) finishes closing before it propagates.
     """
     st = STATE
-    regions = st.regions
+    d = st.__dict__  # the thread's attributes, read as dict items (see _refresh)
+    regions = d["regions"]
     index = len(regions) - 1
     if index < 0 or regions[index].frame is not frame:
         for index in range(len(regions) - 2, -1, -1):
@@ -221,11 +233,19 @@ def leave(frame: dict[str, DeviceContext]) -> None:
     saved = regions[index].saved
     remaining = None
     try:
-        _drop(st, index)
+        del regions[index]  # _drop(st, index)
         _uninstall(st, index)
-        _refresh(st)
+        _refresh(st, d)
         remaining = _decrement_nesting()
-        _restore_native(saved, remaining)
+        # _restore_native(saved, remaining), without the call
+        if remaining == 0:
+            torch.clear_autocast_cache()
+        device_type = saved.device_type
+        _set_native_enabled(device_type, saved.enabled)
+        _set_dtype(device_type, saved.dtype)
+        _set_cache_enabled(saved.cache_enabled)
+        if saved.backward_autocast is not None:
+            _functorch_config.backward_pass_autocast = saved.backward_autocast
     except BaseException:
         # Every step below is safe to repeat; only the nesting counter is counted.
         if index < len(regions) and regions[index].frame is frame:
@@ -268,21 +288,21 @@ def _restore_native(saved: NativeState, remaining: int | None) -> None:
 
 
 def _push_frame(st: ThreadState, region: Region) -> None:
-    if st.fp8_mode is None:
+    d = st.__dict__  # the thread's attributes, read as dict items (see _refresh)
+    if d["fp8_mode"] is None:
         st.fp8_mode = _Fp8Level()
     # One append: a region opened and closed at any point of this function (a signal
     # handler's) finds the stack with this region whole or without it.
-    st.regions.append(region)
-    _refresh(st)
-    wants_fp8 = region.view.fp8_recipe is not None  # an active context has an fp8 recipe
-    if not wants_fp8:
+    d["regions"].append(region)
+    _refresh(st, d)
+    if region.view.fp8_recipe is None:  # no active context has an fp8 recipe
         return
     index = len(st.regions) - 1
     # The fp8 level is recorded before it goes on torch's stack (see "Note: interrupts").
     if st.fp8_level is None:
         st.fp8_level, st.fp8_installer = st.fp8_mode, index
         _torch_compat.push_function_stack(st.fp8_mode)
-    elif wants_fp8 and not _on_function_stack(st.fp8_level):
+    elif not _on_function_stack(st.fp8_level):
         # torch runs an autograd Function's backward with the function-mode stack
         # emptied: a region opened there (custom_bwd, a backward that re-enters
         # autocast) puts the level back for its own span.
@@ -374,17 +394,18 @@ def _uninstall(st: ThreadState, index: int) -> None:
 
     Safe to repeat after an interruption: each record is cleared after its level is off.
     """
-    if st.fp8_repushers and index in st.fp8_repushers:
+    d = st.__dict__  # the thread's attributes, read as dict items (see _refresh)
+    if d["fp8_repushers"] and index in st.fp8_repushers:
         _take_off_function_stack(st.fp8_mode)
         st.fp8_repushers.remove(index)
-    if st.fp8_installer == index:
+    if d["fp8_installer"] == index:
         _take_off_function_stack(st.fp8_level)
         st.fp8_level, st.fp8_installer = None, -1
     # This thread's outermost region closed: native drops its casts here, by calling
     # torch.clear_autocast_cache. Code that replaces that function to keep native's casts
     # for a backward run after the region (torch's own tests of its global cache do) keeps
     # ours too: only the genuine function drops them.
-    if not st.regions:
+    if not d["regions"]:
         compiled = _ENGINE.module
         if compiled is not None:  # its batched casts: unused ones cut off, the next plan made
             compiled.region_closed()
@@ -451,29 +472,35 @@ def _make_view(active: tuple, depth: int) -> View:
     return View(active, primary, depth, top, _compiled_engine.set_top_arguments(top), custom, fp8_recipe)
 
 
-def _refresh(st: ThreadState) -> None:
+def _refresh(st: ThreadState, d: dict | None = None) -> None:
     """Sets everything the kernels read from the innermost region's view: the contexts in
-    force, our key's state and our token (see "Note: the engine lives in the dispatcher")."""
-    regions = st.regions
+    force, our key's state and our token (see "Note: the engine lives in the dispatcher").
+
+    ``d``: ``st.__dict__`` where the caller has it."""
+    # The thread's attributes as its dict: a threading.local's attribute costs several
+    # times a dict item, and this runs twice per region.
+    if d is None:
+        d = st.__dict__
+    regions = d["regions"]
     view = regions[-1].view if regions else _NO_REGION
-    active = st.active = view.active
-    st.primary = view.primary
-    st.native_depth = view.depth
-    st.top = view.top
+    active = d["active"] = view.active
+    d["primary"] = view.primary
+    d["native_depth"] = view.depth
+    d["top"] = view.top
     compiled = _ENGINE.module
     if compiled is not None:  # the compiled kernels' copy of it (set as often as st.top)
         compiled.set_top(*view.compiled_top)
     # Each step is recorded before it is taken and every call sets the key's state anew,
     # so a repeat after an interrupt finishes the job (see "Note: interrupts").
     if active:
-        if not st.key_on:
+        if not d["key_on"]:
             # Read, then look again: a region opened after the read (a signal handler's)
             # turns the key on and leaves our token in torch's state, which must not be
             # what is restored.
             token_saved = _get_dtype(_PU1)
-            if not st.key_on:
-                st.token_saved = token_saved
-                st.key_on = True
+            if not d["key_on"]:
+                d["token_saved"] = token_saved
+                d["key_on"] = True
         _exclude_key(_KEY, False)  # _dispatch_key.switch(True), without the call
         _include_key(_KEY, True)
         token = token_for(active) if view.custom else BUILTIN_TOKEN
@@ -482,10 +509,11 @@ def _refresh(st: ThreadState) -> None:
     else:
         _include_key(_KEY, False)  # _dispatch_key.switch(False)
         _exclude_key(_KEY, True)
-        if st.key_on:
-            _set_dtype(_PU1, st.token_saved if st.token_saved is not None else BUILTIN_TOKEN)
-            st.key_on = False
-    mode = st.fp8_mode
+        if d["key_on"]:
+            token_saved = d["token_saved"]
+            _set_dtype(_PU1, token_saved if token_saved is not None else BUILTIN_TOKEN)
+            d["key_on"] = False
+    mode = d["fp8_mode"]
     if mode is not None:
         mode.fp8_recipe = view.fp8_recipe
 

@@ -273,7 +273,8 @@ class autocast:
         policy: Policy | None = None,
         fp8: Recipe | None = None,
     ):
-        device_type = _check_device_type(device_type)
+        if device_type.__class__ is not str or device_type not in _DEVICES:
+            device_type = _check_device_type(device_type)  # raises, or passes a str subclass
         if dtype in _FP8_DTYPES:
             raise ValueError(
                 f"dtype={dtype} cannot be an autocast dtype: torch's autocast state holds the "
@@ -300,12 +301,22 @@ class autocast:
                 f"policy must be a dispatch_amp.Policy (e.g. Policy.for_device('cuda')), "
                 f"got {type(policy).__name__}"
             )
-        policy = _with_fp8(policy, fp8)
-        if enabled:
+        ctx = None
+        if fp8 is None and not _is_compiling():
+            # Made before from this policy object: its fp8 check passed then (_with_fp8
+            # returns the policy itself), and it would now.
+            ctx = _CONTEXTS.get((device_type, enabled, dtype, cache_enabled, id(policy)))
+            if ctx is not None and ctx.policy is not policy:
+                ctx = None
+        if ctx is None:
+            policy = _with_fp8(policy, fp8)
+        # _usable's answer is None for a supported dtype off CUDA: asked only where it may not be.
+        if enabled and (device_type == "cuda" or dtype not in _DEVICES[device_type][1]):
             reason = _usable(device_type, dtype)
             if reason is not None:
                 warnings.warn(reason, stacklevel=2)
                 enabled = False
+                ctx = None
         self.device_type = device_type
         self.fast_dtype = dtype
         self.enabled = enabled
@@ -313,7 +324,7 @@ class autocast:
         self.policy = policy
         self.fp8 = fp8
         # What the engine opens (frozen: the arguments are checked and never change).
-        self._ctx = _context(device_type, enabled, dtype, policy, cache_enabled, fp8)
+        self._ctx = ctx if ctx is not None else _context(device_type, enabled, dtype, policy, cache_enabled, fp8)
         # The key of this object's regions in _ENTERED.counts.
         self._entered = (device_type, dtype)
         # thread id -> the frame of each open entry of this object (innermost last)
@@ -379,10 +390,17 @@ class autocast:
                     return None
                 return self._exit_eagerly(exc_type, exc, tb)
             dynamo_hook = _disarm_dynamo()
-            entries = self._open.get(_get_ident())
+            thread = _get_ident()
+            entries = self._open.get(thread)
             closing = entries[-1] if entries else self._innermost_entry()
             _engine.leave(closing)
-            self._forget(closing)
+            # self._forget(closing), its common cases inline.
+            if entries[-1] is not closing:
+                self._forget(closing)
+            elif len(entries) > 1:
+                del entries[-1]
+            else:
+                self._open.pop(thread, None)
             closing = None
             _rearm_dynamo(dynamo_hook)
             return None

@@ -80,11 +80,12 @@ def region_closed() -> None:
     """Ends this thread's cache lifetime: its outermost autocast region closed (outside a
     ``cast_cache`` scope), or its ``cast_cache`` scope did. Its fp8 copies are freed."""
     life = _LIFE
-    owner, sites = life.owner, life.sites
+    sites = life.sites
     if not sites:
         # No copy was made in this lifetime (a site is recorded before its copy is kept):
         # none holds its owner, which can serve the next lifetime as a new one would.
         return
+    owner = life.owner
     life.owner, life.sites = object(), set()
     for site in sites:
         cached = site.cached
