@@ -313,7 +313,8 @@ def region_closed() -> None:
     else:
         region.clear()
     store = SCOPE.get()
-    if store is None or not store.open:  # not keeps_casts()
+    # not keeps_casts(); and without a copy kept in the process, no lifetime has one to end.
+    if (store is None or not store.open) and _fp8_copies.kept_any:
         _fp8_copies.region_closed()
 
 

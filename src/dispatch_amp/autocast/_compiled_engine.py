@@ -15,7 +15,8 @@ Python engine builds; it decides nothing. This module is where the two meet:
   argument; any other handler (fp8, cuDNN RNN, banned ops, the refusals of
   ``_torch_checkpoint``, native's fp32-append-dtype wrapper) stays Python;
 - the thread's innermost context (``_engine._refresh``) is written to the C++ side's
-  thread-local copy (``set_top``, with arguments made once per region);
+  thread-local copy (its ``set_top``, with arguments made once per region:
+  ``set_top_arguments``);
 - the weight-cast stores get C++ twins (``_cast_cache.use_native``), so that one cache
   serves both halves;
 - weight casts batched per region (``batching``): off unless ``DISPATCH_AMP_BATCH_CASTS=1``
@@ -35,7 +36,7 @@ import torch
 from .. import _compiled, _torch_compat
 from . import _cast_cache, _handlers
 
-__all__ = ["active", "batching", "set_batching", "BATCH_ENV", "register", "prepare", "resolve_rule", "set_top", "set_top_arguments", "PYTHON", "GIVEN", "LOWER", "FP32", "PROMOTE", "FP32_OPT_DTYPE"]
+__all__ = ["active", "batching", "set_batching", "BATCH_ENV", "register", "prepare", "resolve_rule", "set_top_arguments", "PYTHON", "GIVEN", "LOWER", "FP32", "PROMOTE", "FP32_OPT_DTYPE"]
 
 # Rule kinds, as engine.cpp numbers them.
 PYTHON, GIVEN, LOWER, FP32, PROMOTE, FP32_OPT_DTYPE = range(6)
@@ -199,11 +200,6 @@ def set_top_arguments(top) -> tuple:
         return (False, -1, "cpu", None, -1)
     ctx, depth, _, device_type, dtype, _ = top
     return (True, -1 if depth is None else depth, device_type, dtype, plan_number(ctx.plan))
-
-
-def set_top(module, top) -> None:
-    """Writes the thread's fast-path context (``ThreadState.top``) to the C++ side."""
-    module.set_top(*set_top_arguments(top))
 
 
 _torch_compat.keep_out_of_dynamo(globals(), __name__)

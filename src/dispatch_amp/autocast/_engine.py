@@ -86,6 +86,8 @@ Note: torch.compile
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -93,7 +95,6 @@ from .. import _torch_compat
 from . import _cast_cache, _compiled_engine, _dispatch_key
 from ._state import STATE, DeviceContext, Region, ThreadState, View
 from ._tokens import BUILTIN_TOKEN, pin_current, release_pins, token_for
-from typing import NamedTuple
 from ._tracing_path import trace_call
 
 _NATIVE_CLEAR = torch.clear_autocast_cache  # the genuine one, before anyone replaces it
@@ -131,16 +132,6 @@ class NativeState(NamedTuple):
     # policy of our own, see "Note: torch.compile"); None otherwise.
     backward_autocast: object = None
 
-    @classmethod
-    def read(cls, device_type: str, backward_autocast: object = None) -> NativeState:
-        return cls(
-            device_type,
-            _is_native_enabled(device_type),
-            _get_dtype(device_type),
-            _is_cache_enabled(),
-            backward_autocast,
-        )
-
 
 def enter(ctx: DeviceContext) -> dict[str, DeviceContext]:
     """Opens ``ctx`` on this thread; returns the region's frame, which :func:`leave` takes.
@@ -150,6 +141,7 @@ def enter(ctx: DeviceContext) -> dict[str, DeviceContext]:
     interrupt, see "Note: interrupts") undoes what was done: the region is not open.
     """
     st = STATE
+    d = st.__dict__  # the thread's attributes, read as dict items (see _refresh)
     device_type = ctx.device_type
     if ctx.enabled:
         if ctx.plan not in _PREPARED:
@@ -167,7 +159,7 @@ def enter(ctx: DeviceContext) -> dict[str, DeviceContext]:
         device_type, _is_native_enabled(device_type), _get_dtype(device_type), _is_cache_enabled(),
         _functorch_config.backward_pass_autocast if changes_backward else None,
     ))
-    regions = st.regions
+    regions = d["regions"]
     below = len(regions)
     depth = None
     try:
@@ -184,7 +176,7 @@ def enter(ctx: DeviceContext) -> dict[str, DeviceContext]:
         else:  # the outermost region: _view's one-context case, without the call
             frame = {device_type: ctx}
             view = ctx.views.get(depth) or _view(frame, depth)
-        _push_frame(st, _new_tuple(Region, (frame, depth, ctx, saved, view)))
+        _push_frame(st, _new_tuple(Region, (frame, depth, ctx, saved, view)), d)
         return frame
     except BaseException:
         del st.regions[below:]
@@ -271,7 +263,8 @@ def is_open(frame: dict[str, DeviceContext]) -> bool:
 # taken off as a no-op) and rolls everything back on any exception; leave() marks each
 # step done only after doing it, and on an exception repeats the steps not marked done
 # before letting the exception go on; _refresh, which sets our key and token from the
-# frames, can run any number of times. So one interrupt leaves a region fully open or
+# innermost region's view (derived from its frame when its record was made), can run
+# any number of times. So one interrupt leaves a region fully open or
 # fully closed, never torch's state half restored (the autocast object does the same
 # for its own bookkeeping). tests/autocast/test_context.py interrupts every line of both.
 def _restore_native(saved: NativeState, remaining: int | None) -> None:
@@ -287,8 +280,9 @@ def _restore_native(saved: NativeState, remaining: int | None) -> None:
         _functorch_config.backward_pass_autocast = saved.backward_autocast
 
 
-def _push_frame(st: ThreadState, region: Region) -> None:
-    d = st.__dict__  # the thread's attributes, read as dict items (see _refresh)
+def _push_frame(st: ThreadState, region: Region, d: dict | None = None) -> None:
+    if d is None:  # the thread's attributes, read as dict items (see _refresh)
+        d = st.__dict__
     if d["fp8_mode"] is None:
         st.fp8_mode = _Fp8Level()
     # One append: a region opened and closed at any point of this function (a signal

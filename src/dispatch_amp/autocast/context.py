@@ -364,7 +364,8 @@ class autocast:
             if self.enabled:
                 counts, key = _ENTERED.counts, self._entered
                 counts[key] = counts.get(key, 0) + 1
-            _rearm_dynamo(dynamo_hook)
+            if dynamo_hook is not None:  # None: nothing was armed, nothing to put back
+                _rearm_dynamo(dynamo_hook)
             return self
         except BaseException:
             if frame is not _NOTHING:
@@ -402,7 +403,8 @@ class autocast:
             else:
                 self._open.pop(thread, None)
             closing = None
-            _rearm_dynamo(dynamo_hook)
+            if dynamo_hook is not None:  # None: nothing was armed, nothing to put back
+                _rearm_dynamo(dynamo_hook)
             return None
         except BaseException:
             if closing is _NOTHING and not _is_compiling():

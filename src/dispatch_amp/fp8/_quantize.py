@@ -70,10 +70,18 @@ class _Lifetime(threading.local):
 
 
 _LIFE = _Lifetime()
+# Whether a copy was ever kept in this process (any thread): until then no lifetime has a
+# site, and the engine need not call region_closed at every region's close.
+kept_any = False
 # Bumped by drop_all: every thread's entries made before are stale.
 _GENERATION = [0]
 _nesting_up = torch.autocast_increment_nesting
 _nesting_down = torch.autocast_decrement_nesting
+
+
+def _note_kept() -> None:
+    global kept_any
+    kept_any = True
 
 
 def region_closed() -> None:
@@ -208,6 +216,7 @@ def quantize_weight(owner, weight: torch.Tensor, site, record: bool,
     if snapshot:
         holder = site.alive()
         held = found if holder is weight else (None if holder is None else _identity(holder))
+        _note_kept()
         life.sites.add(site)  # first: no copy of this lifetime is kept unrecorded (region_closed)
         site.cached = _Cached(key, q, q_t, sc, tuple(snapshot), storage, life.owner, generation,
                               None if held is None else held[1])
@@ -247,6 +256,7 @@ def quantize_bias(site, bias: torch.Tensor | None, out_dtype: torch.dtype) -> to
     if cached is not None and cached[2] is life.owner and cached[1] is storage and cached[0] == key:
         return cached[3]
     low = bias.detach().to(out_dtype)
+    _note_kept()
     life.sites.add(site)  # first, as in quantize_weight
     site.cached_bias = (key, storage, life.owner, low)
     return low
