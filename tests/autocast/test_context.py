@@ -981,3 +981,30 @@ def test_the_state_a_region_sets_is_what_its_frame_says_after_every_entry_and_ex
             if region is not None:
                 region.__exit__(None, None, None)
     assert _derived_from_the_frame() == ((), None, -1, None, None)
+
+
+def test_a_region_keeps_nothing_of_its_fp8_recipe_or_policy_alive_once_closed():
+    # Views are kept only by contexts autocast keeps (no recipe in them): a region's own
+    # context (an fp8 recipe's, say) goes with its last reference, as it did before views,
+    # without waiting for the cycle collector.
+    import gc
+    import weakref
+
+    layer = torch.nn.Linear(16, 16)
+    gc.collect()
+    gc.disable()
+    try:
+        recipe = amp.fp8.CurrentScaling()
+        policy = amp.Policy.for_device("cpu").with_ops(fp32=["mm"], name="per-region")
+        refs = [weakref.ref(recipe)]
+        with amp.autocast("cpu", fp8=recipe):
+            with amp.autocast("xpu", policy=CUDA_POLICY):  # a frame of two contexts
+                layer(torch.randn(4, 16))
+        region = amp.autocast("cpu", policy=policy, fp8=amp.fp8.CurrentScaling())
+        refs += [weakref.ref(region._ctx), weakref.ref(region.fp8)]
+        with region:
+            layer(torch.randn(4, 16))
+        del recipe, region
+        assert [ref() for ref in refs] == [None, None, None]
+    finally:
+        gc.enable()

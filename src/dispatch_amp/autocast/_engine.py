@@ -175,7 +175,8 @@ def enter(ctx: DeviceContext) -> dict[str, DeviceContext]:
             view = _view(frame, depth)
         else:  # the outermost region: _view's one-context case, without the call
             frame = {device_type: ctx}
-            view = ctx.views.get(depth) or _view(frame, depth)
+            views = ctx.views
+            view = (views is not None and views.get(depth)) or _view(frame, depth)
         _push_frame(st, _new_tuple(Region, (frame, depth, ctx, saved, view)), d)
         return frame
     except BaseException:
@@ -438,11 +439,14 @@ _NO_REGION = View((), None, -1, None, (False, -1, "cpu", None, -1), False, None)
 def _view(frame: dict[str, DeviceContext], depth: int) -> View:
     """What the kernels read while the region of ``frame`` (nesting counter ``depth``) is
     innermost; ``_refresh`` copies it into the thread's state."""
-    if len(frame) == 1:  # the common case, one device type: made once per context and depth
+    if len(frame) == 1:  # the common case, one device type: made once per kept context and depth
         (ctx,) = frame.values()
-        view = ctx.views.get(depth)
+        views = ctx.views
+        if views is None:
+            return _make_view((ctx,) if ctx.enabled else (), depth)
+        view = views.get(depth)
         if view is None:
-            view = ctx.views[depth] = _make_view((ctx,) if ctx.enabled else (), depth)
+            view = views[depth] = _make_view((ctx,) if ctx.enabled else (), depth)
         return view
     return _make_view(tuple(ctx for ctx in frame.values() if ctx.enabled), depth)
 

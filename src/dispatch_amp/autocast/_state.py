@@ -45,6 +45,10 @@ class DeviceContext:
     cache_enabled: bool
     # The fp8 recipe of the region (dispatch_amp.fp8), for the calls the policy marks fp8.
     fp8: object = None
+    # Whether the context is kept for many regions (autocast's kept contexts): only such a
+    # one keeps its views (below), which refer back to it; any other is freed, with its
+    # recipe, as soon as its last region is.
+    kept: bool = field(default=False, repr=False, compare=False)
     # t -> whether t lives on this device type; resolved once, used for every tensor cast.
     on_device: Callable[[torch.Tensor], bool] = field(init=False, repr=False, compare=False)
     # Whether the policy is not native autocast's table for this device type.
@@ -60,8 +64,8 @@ class DeviceContext:
     # its device type was set to another by hand (_kernels.as_torch_says).
     by_dtype: dict = field(init=False, repr=False, compare=False)
     # nesting counter -> the View of a frame holding only this context (_engine._view):
-    # everything in it follows from the context and the counter.
-    views: dict = field(init=False, repr=False, compare=False)
+    # everything in it follows from the context and the counter. None unless kept.
+    views: dict | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         test = _DEVICE_TESTS.get(self.device_type)
@@ -74,7 +78,7 @@ class DeviceContext:
         object.__setattr__(self, "handlers", plan.handlers)
         object.__setattr__(self, "native_key", _NATIVE_KEYS[self.device_type])
         object.__setattr__(self, "by_dtype", {})
-        object.__setattr__(self, "views", {})
+        object.__setattr__(self, "views", {} if self.kept else None)
 
 
 class View(NamedTuple):

@@ -215,7 +215,7 @@ def _context(device_type: str, enabled: bool, dtype: torch.dtype, policy: Policy
     key = (device_type, enabled, dtype, cache_enabled, id(policy))
     ctx = _CONTEXTS.get(key)
     if ctx is None or ctx.policy is not policy:
-        ctx = _engine.DeviceContext(device_type, enabled, dtype, policy, cache_enabled, None)
+        ctx = _engine.DeviceContext(device_type, enabled, dtype, policy, cache_enabled, None, kept=True)
         if len(_CONTEXTS) >= _MAX_CONTEXTS:
             _CONTEXTS.clear()
         _CONTEXTS[key] = ctx
