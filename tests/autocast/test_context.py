@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dispatch_amp as amp
-from dispatch_amp.autocast import _cast_cache, _engine
+from dispatch_amp.autocast import _cast_cache, _compiled_engine, _engine, _tokens, context
 from dispatch_amp.autocast.context import _DEVICES, device_dtypes
 from dispatch_amp.autocast.policy import BUILTIN_DEVICES
 
@@ -825,3 +825,186 @@ def test_a_native_region_inside_ours_under_the_builtin_policy_casts_as_native_ne
     assert got[0] == want[0]
     for a, b in zip([got[1], got[2], *got[3]], [want[1], want[2], *want[3]]):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+# -- a region's context is made once per arguments (context._CONTEXTS) ------------------
+def _inside(region):
+    """What a region sets, as torch, the kernels and the compiled side read it."""
+    st_ = _engine.STATE
+    with region:
+        compiled = _compiled_engine.ENGINE.module
+        top = st_.top
+        return (
+            _torch_state(), mm_dtype(), st_.native_depth, len(st_.active),
+            None if top is None else (top[1], top[2], top[3], top[4], top[5], top[0].plan),
+            None if compiled is None else compiled.top(),
+        )
+
+
+@pytest.mark.parametrize("kwargs", [
+    {}, {"dtype": torch.float16}, {"enabled": False}, {"cache_enabled": False}, {"policy": CUSTOM},
+    {"dtype": None, "cache_enabled": None},
+], ids=["default", "float16", "disabled", "cache off", "own policy", "read from torch"])
+def test_regions_made_from_the_same_arguments_share_a_context_equal_to_a_fresh_one(monkeypatch, kwargs):
+    first, again = amp.autocast("cpu", **kwargs), amp.autocast("cpu", **kwargs)
+    assert again._ctx is first._ctx
+    monkeypatch.setattr(context, "_CONTEXTS", {})  # nothing kept: the context is made anew
+    fresh = amp.autocast("cpu", **kwargs)
+    assert fresh._ctx is not first._ctx and fresh._ctx == first._ctx
+    for field in ("custom", "plan", "handlers", "native_key"):
+        assert getattr(fresh._ctx, field) == getattr(first._ctx, field), field
+    assert _inside(first) == _inside(again) == _inside(fresh)
+
+
+def test_a_context_is_reused_only_for_the_same_policy_object():
+    a = amp.Policy.for_device("cpu").with_ops(fp32=["mm"], name="a")
+    b = amp.Policy.for_device("cpu").with_ops(fp32=["mm"], name="b")
+    assert a == b and a is not b  # equal tables: each region still holds the policy it was given
+    assert amp.autocast("cpu", policy=a)._ctx.policy is a
+    assert amp.autocast("cpu", policy=b)._ctx.policy is b
+    a.name = "renamed"  # the one thing a policy lets one change, between two regions
+    assert amp.autocast("cpu", policy=a)._ctx.policy.name == "renamed"
+    # A policy derived between two regions made from the same other arguments applies.
+    c = a.with_ops(lower=["mm"])
+    with amp.autocast("cpu", policy=a):
+        assert mm_dtype() == torch.float32
+    with amp.autocast("cpu", policy=c):
+        assert mm_dtype() == torch.bfloat16
+    # An entry found under another policy's id (ids are reused once an object is gone) is
+    # not that policy's context.
+    key = ("cpu", True, torch.bfloat16, True, id(c))
+    context._CONTEXTS[key] = amp.autocast("cpu", policy=a)._ctx
+    try:
+        region = amp.autocast("cpu", policy=c)
+        assert region._ctx.policy is c
+        with region:
+            assert mm_dtype() == torch.bfloat16
+    finally:
+        context._CONTEXTS.pop(key, None)
+
+
+def test_the_kept_contexts_are_bounded_and_a_policy_made_per_region_applies(monkeypatch):
+    monkeypatch.setattr(context, "_MAX_CONTEXTS", 4)
+    monkeypatch.setattr(context, "_CONTEXTS", {})
+    base = amp.Policy.for_device("cpu")
+    for i in range(12):
+        policy = base.with_ops(fp32=["mm"]) if i % 2 else base.with_ops(lower=["mm"])
+        with amp.autocast("cpu", policy=policy):
+            assert mm_dtype() == (torch.float32 if i % 2 else torch.bfloat16)
+        assert len(context._CONTEXTS) <= 4
+
+
+def test_whether_a_region_can_cast_is_asked_at_every_construction(monkeypatch):
+    # Kept contexts skip no check: CUDA's availability and the dtype are asked each time.
+    for available in (False, True, False):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda available=available: available)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            region = amp.autocast("cuda")
+        assert region.enabled == region._ctx.enabled == available
+        assert any("CUDA is not available" in str(w.message) for w in caught) != available
+    for _ in range(2):
+        with pytest.warns(UserWarning, match="supports dtype"):
+            region = amp.autocast("cpu", dtype=torch.float32)
+        assert not region.enabled and not region._ctx.enabled
+    with pytest.raises(ValueError, match="no recipe was given"):  # the fp8 check, every time
+        amp.autocast("cpu", policy=base_fp8_policy())
+    with pytest.raises(ValueError, match="no recipe was given"):
+        amp.autocast("cpu", policy=base_fp8_policy())
+
+
+def base_fp8_policy():
+    return amp.Policy.for_device("cpu").with_ops(fp8=["linear"])
+
+
+# -- what a region's view holds: what _refresh derived from the frame at every call ----
+def _derived_from_the_frame():
+    st_ = _engine.STATE
+    top = st_.regions[-1] if st_.regions else None
+    active = () if top is None else tuple(c for c in top.frame.values() if c.enabled)
+    primary = active[0] if len(active) == 1 else None
+    depth = -1 if top is None else top.depth
+    kernels_top = None if primary is None else (
+        primary, depth if primary.custom or primary.fp8 is not None else None,
+        primary.native_key, primary.device_type, primary.dtype, primary.handlers,
+    )
+    recipe = next((c.fp8 for c in active if c.fp8 is not None), None)
+    return active, primary, depth, kernels_top, recipe
+
+
+def _check_view():
+    st_ = _engine.STATE
+    active, primary, depth, kernels_top, recipe = _derived_from_the_frame()
+    assert st_.active == active and st_.primary is primary and st_.native_depth == depth
+    assert st_.top == kernels_top
+    assert (st_.fp8_mode.fp8_recipe if st_.fp8_mode is not None else None) is recipe
+    if active:
+        assert torch.get_autocast_dtype("privateuseone") is _tokens.token_for(active)
+    compiled = _compiled_engine.ENGINE.module
+    if compiled is not None:
+        on, c_depth, _, _, plan = compiled.top()
+        assert on == (primary is not None)
+        if on:
+            assert c_depth == (-1 if kernels_top[1] is None else kernels_top[1])
+            assert plan == _compiled_engine.plan_number(primary.plan)
+
+
+_VIEW_REGIONS = st.lists(
+    st.tuples(st.sampled_from(["cpu", "xpu"]), st.booleans(), st.booleans(), st.booleans()),
+    min_size=1, max_size=4,
+)
+
+
+@given(case=_VIEW_REGIONS.flatmap(lambda rs: st.tuples(st.just(rs), st.permutations(range(len(rs))))))
+def test_the_state_a_region_sets_is_what_its_frame_says_after_every_entry_and_exit(case):
+    # Regions of one or two device types (frames of one or two contexts), with and without
+    # a policy of one's own or an fp8 recipe, closed in any order (out of order rebuilds
+    # the frames above): after each step the thread's state is what the innermost frame
+    # gives when derived afresh.
+    regions, order = case
+    recipe = amp.fp8.CurrentScaling()
+    opened = []
+    try:
+        for device_type, enabled, custom, with_fp8 in regions:
+            policy = (CUSTOM if device_type == "cpu" else CUDA_POLICY.with_ops(fp32=["mm"])) if custom else None
+            region = amp.autocast(device_type, dtype=torch.bfloat16 if device_type == "cpu" else torch.float16,
+                                  enabled=enabled, policy=policy, fp8=recipe if with_fp8 else None)
+            region.__enter__()
+            opened.append(region)
+            _check_view()
+        for i in order:
+            region, opened[i] = opened[i], None
+            region.__exit__(None, None, None)
+            _check_view()
+    finally:
+        for region in reversed(opened):
+            if region is not None:
+                region.__exit__(None, None, None)
+    assert _derived_from_the_frame() == ((), None, -1, None, None)
+
+
+def test_a_region_keeps_nothing_of_its_fp8_recipe_or_policy_alive_once_closed():
+    # Views are kept only by contexts autocast keeps (no recipe in them): a region's own
+    # context (an fp8 recipe's, say) goes with its last reference, as it did before views,
+    # without waiting for the cycle collector.
+    import gc
+    import weakref
+
+    layer = torch.nn.Linear(16, 16)
+    gc.collect()
+    gc.disable()
+    try:
+        recipe = amp.fp8.CurrentScaling()
+        policy = amp.Policy.for_device("cpu").with_ops(fp32=["mm"], name="per-region")
+        refs = [weakref.ref(recipe)]
+        with amp.autocast("cpu", fp8=recipe):
+            with amp.autocast("xpu", policy=CUDA_POLICY):  # a frame of two contexts
+                layer(torch.randn(4, 16))
+        region = amp.autocast("cpu", policy=policy, fp8=amp.fp8.CurrentScaling())
+        refs += [weakref.ref(region._ctx), weakref.ref(region.fp8)]
+        with region:
+            layer(torch.randn(4, 16))
+        del recipe, region
+        assert [ref() for ref in refs] == [None, None, None]
+    finally:
+        gc.enable()

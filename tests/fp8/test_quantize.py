@@ -140,6 +140,30 @@ def test_an_evaluation_region_quantizes_each_weight_once_and_agrees_with_fresh_q
     assert recipe.report()[0].calls == 6
 
 
+def test_regions_that_make_no_copy_between_fp8_regions_leave_each_fp8_region_its_own_copies(monkeypatch):
+    # A lifetime without copies is kept across its region's close (nothing to free), and
+    # before any copy was kept in the process the engine does not ask; one with copies
+    # ends there: the next fp8 region quantizes the weight anew.
+    from dispatch_amp.fp8 import _quantize
+
+    monkeypatch.setattr(_quantize, "kept_any", False)  # as in a process that kept none yet
+    layer = _layer()
+    recipe = fp8.CurrentScaling().bind(layer)
+    site = recipe.state.lookup(layer.weight)
+    x = torch.randn(16, 48)
+    made = []
+    for _ in range(3):
+        with amp.autocast("cpu"):  # an autocast region without fp8: no copy made
+            pass
+        with torch.no_grad(), _region(recipe):
+            layer(x)
+            layer(x)  # the same copy serves the region's second call
+            made.append(site.cached)
+        assert site.cached is None and site.cached_bias is None
+    assert all(copy is not None for copy in made)
+    assert made[0] is not made[1] and made[1] is not made[2]
+
+
 def test_an_optimizer_step_frees_the_cached_copies():
     layer = _layer()
     recipe = fp8.CurrentScaling().bind(layer)

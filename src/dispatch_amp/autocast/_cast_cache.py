@@ -305,8 +305,16 @@ def region_closed() -> None:
     """A thread's outermost region closed: native drops its casts here, and so do we. A
     ``cast_cache``'s casts are in its own store, which stays; so do this thread's fp8
     weight copies while a ``cast_cache`` is open here."""
-    REGION.clear()
-    if not keeps_casts():
+    region = REGION
+    native = region.native
+    if native is not None:  # region.clear(), without two calls on every region's exit
+        native.clear()
+        region.nbytes = 0
+    else:
+        region.clear()
+    store = SCOPE.get()
+    # not keeps_casts(); and without a copy kept in the process, no lifetime has one to end.
+    if (store is None or not store.open) and _fp8_copies.kept_any:
         _fp8_copies.region_closed()
 
 

@@ -15,7 +15,8 @@ Python engine builds; it decides nothing. This module is where the two meet:
   argument; any other handler (fp8, cuDNN RNN, banned ops, the refusals of
   ``_torch_checkpoint``, native's fp32-append-dtype wrapper) stays Python;
 - the thread's innermost context (``_engine._refresh``) is written to the C++ side's
-  thread-local copy (``set_top``);
+  thread-local copy (its ``set_top``, with arguments made once per region:
+  ``set_top_arguments``);
 - the weight-cast stores get C++ twins (``_cast_cache.use_native``), so that one cache
   serves both halves;
 - weight casts batched per region (``batching``): off unless ``DISPATCH_AMP_BATCH_CASTS=1``
@@ -35,7 +36,7 @@ import torch
 from .. import _compiled, _torch_compat
 from . import _cast_cache, _handlers
 
-__all__ = ["active", "batching", "set_batching", "BATCH_ENV", "register", "prepare", "resolve_rule", "set_top", "PYTHON", "GIVEN", "LOWER", "FP32", "PROMOTE", "FP32_OPT_DTYPE"]
+__all__ = ["active", "batching", "set_batching", "BATCH_ENV", "register", "prepare", "resolve_rule", "set_top_arguments", "PYTHON", "GIVEN", "LOWER", "FP32", "PROMOTE", "FP32_OPT_DTYPE"]
 
 # Rule kinds, as engine.cpp numbers them.
 PYTHON, GIVEN, LOWER, FP32, PROMOTE, FP32_OPT_DTYPE = range(6)
@@ -189,13 +190,16 @@ def plan_number(plan) -> int:
     return -1 if number is None else number
 
 
-def set_top(module, top) -> None:
-    """Writes the thread's fast-path context (``ThreadState.top``) to the C++ side."""
+def set_top_arguments(top) -> tuple:
+    """The arguments of the C++ side's ``set_top`` for ``top`` (``ThreadState.top``).
+
+    A region's are made once, when it is entered (``_engine._view``): its contexts' plans
+    were numbered then (``prepare``), and a plan's number never changes.
+    """
     if top is None:
-        module.set_top(False, -1, "cpu", None, -1)
-        return
+        return (False, -1, "cpu", None, -1)
     ctx, depth, _, device_type, dtype, _ = top
-    module.set_top(True, -1 if depth is None else depth, device_type, dtype, plan_number(ctx.plan))
+    return (True, -1 if depth is None else depth, device_type, dtype, plan_number(ctx.plan))
 
 
 _torch_compat.keep_out_of_dynamo(globals(), __name__)

@@ -86,15 +86,14 @@ Note: torch.compile
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from .. import _torch_compat
 from . import _cast_cache, _compiled_engine, _dispatch_key
-from ._state import STATE, DeviceContext, Region, ThreadState
+from ._state import STATE, DeviceContext, Region, ThreadState, View
 from ._tokens import BUILTIN_TOKEN, pin_current, release_pins, token_for
 from ._tracing_path import trace_call
 
@@ -105,13 +104,25 @@ _functorch_config = torch._functorch.config
 _increment_nesting = torch.autocast_increment_nesting
 _decrement_nesting = torch.autocast_decrement_nesting
 _set_native_enabled = torch.set_autocast_enabled
+_is_native_enabled = torch.is_autocast_enabled
+_get_dtype = torch.get_autocast_dtype
+_set_dtype = torch.set_autocast_dtype
+_is_cache_enabled = torch.is_autocast_cache_enabled
+_set_cache_enabled = torch.set_autocast_cache_enabled
+_include_key = _torch_compat.set_dispatch_key_included
+_exclude_key = _torch_compat.set_dispatch_key_excluded
+_KEY = _dispatch_key.KEY
+_ENGINE = _compiled_engine.ENGINE
 _PU1 = "privateuseone"
+_new_tuple = tuple.__new__
 
 
 # -- entering and leaving a context -----------------------------------------------------
-@dataclass(frozen=True)
-class NativeState:
-    """torch's autocast state for one device type, as an entered context found it."""
+class NativeState(NamedTuple):
+    """torch's autocast state for one device type, as an entered context found it.
+
+    A named tuple rather than a frozen dataclass: one is made at every region's entry,
+    and a tuple is made several times faster."""
 
     device_type: str
     enabled: bool
@@ -120,16 +131,6 @@ class NativeState:
     # AOTAutograd's autocast for the backward it traces, when the context changed it (a
     # policy of our own, see "Note: torch.compile"); None otherwise.
     backward_autocast: object = None
-
-    @classmethod
-    def read(cls, device_type: str, backward_autocast: object = None) -> NativeState:
-        return cls(
-            device_type,
-            torch.is_autocast_enabled(device_type),
-            torch.get_autocast_dtype(device_type),
-            torch.is_autocast_cache_enabled(),
-            backward_autocast,
-        )
 
 
 def enter(ctx: DeviceContext) -> dict[str, DeviceContext]:
@@ -140,25 +141,43 @@ def enter(ctx: DeviceContext) -> dict[str, DeviceContext]:
     interrupt, see "Note: interrupts") undoes what was done: the region is not open.
     """
     st = STATE
+    d = st.__dict__  # the thread's attributes, read as dict items (see _refresh)
+    device_type = ctx.device_type
     if ctx.enabled:
-        _prepare(ctx)
-        _compile_hooks.install()  # again after torch._dynamo.reset(), which drops callbacks
-    changes_backward = ctx.enabled and ctx.custom  # a config read and write cost microseconds
-    saved = NativeState.read(
-        ctx.device_type, _functorch_config.backward_pass_autocast if changes_backward else None
-    )
-    below = len(st.regions)
+        if ctx.plan not in _PREPARED:
+            _prepare(ctx)
+        # Again after torch._dynamo.reset(), which drops callbacks (install's own test, first
+        # here: a call less per region).
+        if not _torch_compat.compile_callback_registered(_compile_hooks.start):
+            _compile_hooks.install()
+        changes_backward = ctx.custom  # a config read and write cost microseconds
+    else:
+        changes_backward = False
+    # NativeState(...) and Region(...) below, made as tuple.__new__ makes them: a named
+    # tuple's own __new__ is a Python function, a call more at every entry.
+    saved = _new_tuple(NativeState, (
+        device_type, _is_native_enabled(device_type), _get_dtype(device_type), _is_cache_enabled(),
+        _functorch_config.backward_pass_autocast if changes_backward else None,
+    ))
+    regions = d["regions"]
+    below = len(regions)
     depth = None
     try:
         if changes_backward:
             _functorch_config.backward_pass_autocast = "off"
-        _set_native_enabled(ctx.device_type, ctx.enabled)
-        torch.set_autocast_dtype(ctx.device_type, ctx.dtype)
+        _set_native_enabled(device_type, ctx.enabled)
+        _set_dtype(device_type, ctx.dtype)
         depth = _increment_nesting()
-        torch.set_autocast_cache_enabled(ctx.cache_enabled)
-        frame = dict(current_frame())
-        frame[ctx.device_type] = ctx
-        _push_frame(st, Region(frame, depth, ctx, saved))
+        _set_cache_enabled(ctx.cache_enabled)
+        if regions:
+            frame = dict(regions[-1].frame)
+            frame[device_type] = ctx
+            view = _view(frame, depth)
+        else:  # the outermost region: _view's one-context case, without the call
+            frame = {device_type: ctx}
+            views = ctx.views
+            view = (views is not None and views.get(depth)) or _view(frame, depth)
+        _push_frame(st, _new_tuple(Region, (frame, depth, ctx, saved, view)), d)
         return frame
     except BaseException:
         del st.regions[below:]
@@ -195,7 +214,8 @@ def leave(frame: dict[str, DeviceContext]) -> None:
     An exception part-way (an interrupt) finishes closing before it propagates.
     """
     st = STATE
-    regions = st.regions
+    d = st.__dict__  # the thread's attributes, read as dict items (see _refresh)
+    regions = d["regions"]
     index = len(regions) - 1
     if index < 0 or regions[index].frame is not frame:
         for index in range(len(regions) - 2, -1, -1):
@@ -206,11 +226,19 @@ def leave(frame: dict[str, DeviceContext]) -> None:
     saved = regions[index].saved
     remaining = None
     try:
-        _drop(st, index)
+        del regions[index]  # _drop(st, index)
         _uninstall(st, index)
-        _refresh(st)
+        _refresh(st, d)
         remaining = _decrement_nesting()
-        _restore_native(saved, remaining)
+        # _restore_native(saved, remaining), without the call
+        if remaining == 0:
+            torch.clear_autocast_cache()
+        device_type = saved.device_type
+        _set_native_enabled(device_type, saved.enabled)
+        _set_dtype(device_type, saved.dtype)
+        _set_cache_enabled(saved.cache_enabled)
+        if saved.backward_autocast is not None:
+            _functorch_config.backward_pass_autocast = saved.backward_autocast
     except BaseException:
         # Every step below is safe to repeat; only the nesting counter is counted.
         if index < len(regions) and regions[index].frame is frame:
@@ -236,35 +264,40 @@ def is_open(frame: dict[str, DeviceContext]) -> bool:
 # taken off as a no-op) and rolls everything back on any exception; leave() marks each
 # step done only after doing it, and on an exception repeats the steps not marked done
 # before letting the exception go on; _refresh, which sets our key and token from the
-# frames, can run any number of times. So one interrupt leaves a region fully open or
+# innermost region's view (derived from its frame when its record was made), can run
+# any number of times. So one interrupt leaves a region fully open or
 # fully closed, never torch's state half restored (the autocast object does the same
 # for its own bookkeeping). tests/autocast/test_context.py interrupts every line of both.
 def _restore_native(saved: NativeState, remaining: int | None) -> None:
     """Puts back torch's state as ``saved`` holds it; ``remaining``: the nesting counter
     after this region's decrement (0 clears native's cast cache, as torch does)."""
     if remaining == 0:
-        torch.clear_autocast_cache()
-    _set_native_enabled(saved.device_type, saved.enabled)
-    torch.set_autocast_dtype(saved.device_type, saved.dtype)
-    torch.set_autocast_cache_enabled(saved.cache_enabled)
+        torch.clear_autocast_cache()  # looked up per call: code may replace it (see _uninstall)
+    device_type = saved.device_type
+    _set_native_enabled(device_type, saved.enabled)
+    _set_dtype(device_type, saved.dtype)
+    _set_cache_enabled(saved.cache_enabled)
     if saved.backward_autocast is not None:
         _functorch_config.backward_pass_autocast = saved.backward_autocast
 
 
-def _push_frame(st: ThreadState, region: Region) -> None:
-    if st.fp8_mode is None:
+def _push_frame(st: ThreadState, region: Region, d: dict | None = None) -> None:
+    if d is None:  # the thread's attributes, read as dict items (see _refresh)
+        d = st.__dict__
+    if d["fp8_mode"] is None:
         st.fp8_mode = _Fp8Level()
     # One append: a region opened and closed at any point of this function (a signal
     # handler's) finds the stack with this region whole or without it.
-    st.regions.append(region)
-    _refresh(st)
+    d["regions"].append(region)
+    _refresh(st, d)
+    if region.view.fp8_recipe is None:  # no active context has an fp8 recipe
+        return
     index = len(st.regions) - 1
     # The fp8 level is recorded before it goes on torch's stack (see "Note: interrupts").
-    wants_fp8 = any(ctx.fp8 is not None for ctx in st.active)
-    if st.fp8_level is None and wants_fp8:
+    if st.fp8_level is None:
         st.fp8_level, st.fp8_installer = st.fp8_mode, index
         _torch_compat.push_function_stack(st.fp8_mode)
-    elif wants_fp8 and not _on_function_stack(st.fp8_level):
+    elif not _on_function_stack(st.fp8_level):
         # torch runs an autograd Function's backward with the function-mode stack
         # emptied: a region opened there (custom_bwd, a backward that re-enters
         # autocast) puts the level back for its own span.
@@ -303,10 +336,10 @@ def _remove_frame(st: ThreadState, index: int) -> None:
         _set_native_enabled(own.device_type, saved.enabled)
         torch.set_autocast_dtype(own.device_type, saved.dtype)
     else:
-        set_saved(same_device, dataclasses.replace(
-            saved, backward_autocast=regions[same_device].saved.backward_autocast
+        set_saved(same_device, saved._replace(
+            backward_autocast=regions[same_device].saved.backward_autocast
         ))
-    set_saved(index + 1, dataclasses.replace(regions[index + 1].saved, cache_enabled=saved.cache_enabled))
+    set_saved(index + 1, regions[index + 1].saved._replace(cache_enabled=saved.cache_enabled))
     if saved.backward_autocast is not None:
         changed_too = next(
             (j for j in range(index + 1, top + 1) if regions[j].saved.backward_autocast is not None), None
@@ -314,19 +347,19 @@ def _remove_frame(st: ThreadState, index: int) -> None:
         if changed_too is None:
             _functorch_config.backward_pass_autocast = saved.backward_autocast
         else:
-            set_saved(changed_too, dataclasses.replace(
-                regions[changed_too].saved, backward_autocast=saved.backward_autocast
+            set_saved(changed_too, regions[changed_too].saved._replace(
+                backward_autocast=saved.backward_autocast
             ))
     _decrement_nesting()  # a region above is still open: never the outermost
     _drop(st, index)
     for j in range(index, len(regions)):
         region = regions[j]
-        regions[j] = region._replace(depth=region.depth - 1)
         frame = region.frame  # rebuilt in place: it is also that region's handle
         frame.clear()
         if j:
             frame.update(regions[j - 1].frame)
         frame[region.own.device_type] = region.own
+        regions[j] = region._replace(depth=region.depth - 1, view=_view(frame, region.depth - 1))
     if index in st.fp8_repushers:
         _take_off_function_stack(st.fp8_mode)
         st.fp8_repushers.remove(index)
@@ -356,22 +389,23 @@ def _uninstall(st: ThreadState, index: int) -> None:
 
     Safe to repeat after an interruption: each record is cleared after its level is off.
     """
-    if index in st.fp8_repushers:
+    d = st.__dict__  # the thread's attributes, read as dict items (see _refresh)
+    if d["fp8_repushers"] and index in st.fp8_repushers:
         _take_off_function_stack(st.fp8_mode)
         st.fp8_repushers.remove(index)
-    if st.fp8_installer == index:
+    if d["fp8_installer"] == index:
         _take_off_function_stack(st.fp8_level)
         st.fp8_level, st.fp8_installer = None, -1
     # This thread's outermost region closed: native drops its casts here, by calling
     # torch.clear_autocast_cache. Code that replaces that function to keep native's casts
     # for a backward run after the region (torch's own tests of its global cache do) keeps
     # ours too: only the genuine function drops them.
-    if not st.regions:
-        compiled = _compiled_engine.ENGINE.module
+    if not d["regions"]:
+        compiled = _ENGINE.module
         if compiled is not None:  # its batched casts: unused ones cut off, the next plan made
             compiled.region_closed()
-    if not st.regions and torch.clear_autocast_cache is _NATIVE_CLEAR:
-        _cast_cache.region_closed()
+        if torch.clear_autocast_cache is _NATIVE_CLEAR:
+            _cast_cache.region_closed()
 
 
 def _take_off_function_stack(mode: TorchFunctionMode) -> None:
@@ -398,49 +432,88 @@ def current_frame() -> dict[str, DeviceContext]:
     return regions[-1].frame if regions else {}
 
 
-def _refresh(st: ThreadState) -> None:
-    """Derives everything the kernels read from the frames: the contexts in force, our
-    key's state and our token (see "Note: the engine lives in the dispatcher")."""
-    regions = st.regions
-    top = regions[-1] if regions else None
-    st.active = () if top is None else tuple(ctx for ctx in top.frame.values() if ctx.enabled)
-    primary = st.primary = st.active[0] if len(st.active) == 1 else None
-    depth = st.native_depth = -1 if top is None else top.depth
+# No region open: nothing active, the compiled kernels told there is no context.
+_NO_REGION = View((), None, -1, None, (False, -1, "cpu", None, -1), False, None)
+
+
+def _view(frame: dict[str, DeviceContext], depth: int) -> View:
+    """What the kernels read while the region of ``frame`` (nesting counter ``depth``) is
+    innermost; ``_refresh`` copies it into the thread's state."""
+    if len(frame) == 1:  # the common case, one device type: made once per kept context and depth
+        (ctx,) = frame.values()
+        views = ctx.views
+        if views is None:
+            return _make_view((ctx,) if ctx.enabled else (), depth)
+        view = views.get(depth)
+        if view is None:
+            view = views[depth] = _make_view((ctx,) if ctx.enabled else (), depth)
+        return view
+    return _make_view(tuple(ctx for ctx in frame.values() if ctx.enabled), depth)
+
+
+def _make_view(active: tuple, depth: int) -> View:
+    if not active:
+        return View((), None, depth, None, _NO_REGION.compiled_top, False, None)
+    custom = any(ctx.custom or ctx.fp8 is not None for ctx in active)
+    fp8_recipe = next((ctx.fp8 for ctx in active if ctx.fp8 is not None), None)
+    primary = active[0] if len(active) == 1 else None
     # The kernels' fast path. Its depth is None under a built-in policy without an fp8
     # recipe: there a native region opened inside ours would cast as ours does (the same
     # table; its dtype and enabled state are followed as a hand switch is), so the kernel
     # skips the nesting counter's two reads ("Note: torch sees our state as native state").
-    st.top = None if primary is None else (
+    top = None if primary is None else (
         primary, depth if primary.custom or primary.fp8 is not None else None,
         primary.native_key, primary.device_type, primary.dtype, primary.handlers,
     )
-    compiled = _compiled_engine.ENGINE.module
+    # Every enabled context was prepared when its region was entered, so its plan's
+    # number for the compiled side is fixed by now.
+    return View(active, primary, depth, top, _compiled_engine.set_top_arguments(top), custom, fp8_recipe)
+
+
+def _refresh(st: ThreadState, d: dict | None = None) -> None:
+    """Sets everything the kernels read from the innermost region's view: the contexts in
+    force, our key's state and our token (see "Note: the engine lives in the dispatcher").
+
+    ``d``: ``st.__dict__`` where the caller has it."""
+    # The thread's attributes as its dict: a threading.local's attribute costs several
+    # times a dict item, and this runs twice per region.
+    if d is None:
+        d = st.__dict__
+    regions = d["regions"]
+    view = regions[-1].view if regions else _NO_REGION
+    active = d["active"] = view.active
+    d["primary"] = view.primary
+    d["native_depth"] = view.depth
+    d["top"] = view.top
+    compiled = _ENGINE.module
     if compiled is not None:  # the compiled kernels' copy of it (set as often as st.top)
-        _compiled_engine.set_top(compiled, st.top)
+        compiled.set_top(*view.compiled_top)
     # Each step is recorded before it is taken and every call sets the key's state anew,
     # so a repeat after an interrupt finishes the job (see "Note: interrupts").
-    if st.active:
-        if not st.key_on:
+    if active:
+        if not d["key_on"]:
             # Read, then look again: a region opened after the read (a signal handler's)
             # turns the key on and leaves our token in torch's state, which must not be
             # what is restored.
-            token_saved = torch.get_autocast_dtype(_PU1)
-            if not st.key_on:
-                st.token_saved = token_saved
-                st.key_on = True
-        _dispatch_key.switch(True)
-        token = token_for(st.active)
-        if torch.get_autocast_dtype(_PU1) is not token:
-            torch.set_autocast_dtype(_PU1, token)
+            token_saved = _get_dtype(_PU1)
+            if not d["key_on"]:
+                d["token_saved"] = token_saved
+                d["key_on"] = True
+        _exclude_key(_KEY, False)  # _dispatch_key.switch(True), without the call
+        _include_key(_KEY, True)
+        token = token_for(active) if view.custom else BUILTIN_TOKEN
+        if _get_dtype(_PU1) is not token:
+            _set_dtype(_PU1, token)
     else:
-        _dispatch_key.switch(False)
-        if st.key_on:
-            torch.set_autocast_dtype(_PU1, st.token_saved if st.token_saved is not None else BUILTIN_TOKEN)
-            st.key_on = False
-    mode = st.fp8_mode
+        _include_key(_KEY, False)  # _dispatch_key.switch(False)
+        _exclude_key(_KEY, True)
+        if d["key_on"]:
+            token_saved = d["token_saved"]
+            _set_dtype(_PU1, token_saved if token_saved is not None else BUILTIN_TOKEN)
+            d["key_on"] = False
+    mode = d["fp8_mode"]
     if mode is not None:
-        fp8_ctx = next((ctx for ctx in st.active if ctx.fp8 is not None), None)
-        mode.fp8_recipe = None if fp8_ctx is None else fp8_ctx.fp8
+        mode.fp8_recipe = view.fp8_recipe
 
 
 def clear_cache() -> None:
@@ -478,14 +551,15 @@ class _CompileHooks:
 
     def __init__(self):
         self.saved_cache_flag = None
+        self.start = self._start  # one bound method, looked for at every region's entry
 
     def install(self) -> None:
         """Registers the callbacks unless they are registered (``torch._dynamo.reset()``
         drops every callback: each region's entry checks). Found dropped, the reset also
         dropped every compiled graph: no token is held by one any more."""
-        if not _torch_compat.compile_callback_registered(self._start):
+        if not _torch_compat.compile_callback_registered(self.start):
             release_pins()
-            _torch_compat.on_compile_start(self._start)
+            _torch_compat.on_compile_start(self.start)
             _torch_compat.on_compile_end(self._end)
 
     def _start(self, *args) -> None:

@@ -45,6 +45,10 @@ class DeviceContext:
     cache_enabled: bool
     # The fp8 recipe of the region (dispatch_amp.fp8), for the calls the policy marks fp8.
     fp8: object = None
+    # Whether the context is kept for many regions (autocast's kept contexts): only such a
+    # one keeps its views (below), which refer back to it; any other is freed, with its
+    # recipe, as soon as its last region is.
+    kept: bool = field(default=False, repr=False, compare=False)
     # t -> whether t lives on this device type; resolved once, used for every tensor cast.
     on_device: Callable[[torch.Tensor], bool] = field(init=False, repr=False, compare=False)
     # Whether the policy is not native autocast's table for this device type.
@@ -59,6 +63,9 @@ class DeviceContext:
     # dtype -> this context with that dtype: what a region is where torch's dtype for
     # its device type was set to another by hand (_kernels.as_torch_says).
     by_dtype: dict = field(init=False, repr=False, compare=False)
+    # nesting counter -> the View of a frame holding only this context (_engine._view):
+    # everything in it follows from the context and the counter. None unless kept.
+    views: dict | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         test = _DEVICE_TESTS.get(self.device_type)
@@ -71,6 +78,26 @@ class DeviceContext:
         object.__setattr__(self, "handlers", plan.handlers)
         object.__setattr__(self, "native_key", _NATIVE_KEYS[self.device_type])
         object.__setattr__(self, "by_dtype", {})
+        object.__setattr__(self, "views", {} if self.kept else None)
+
+
+class View(NamedTuple):
+    """What ``_engine._refresh`` writes into ``ThreadState`` while a region is innermost:
+    everything it used to derive from the frame at every entry and exit, derived once."""
+
+    # Enabled contexts of the frame, in frame order, and the one of them when it is alone.
+    active: tuple
+    primary: DeviceContext | None
+    # The region's nesting counter (-1: no region).
+    depth: int
+    # ThreadState.top (see there), and the compiled engine's copy of it: set_top's arguments.
+    top: tuple | None
+    compiled_top: tuple
+    # Whether the token must be looked up (a policy of one's own or an fp8 recipe active);
+    # otherwise it is the built-in token.
+    custom: bool
+    # The fp8 recipe of the first active context that has one, or None.
+    fp8_recipe: object
 
 
 class Region(NamedTuple):
@@ -86,6 +113,9 @@ class Region(NamedTuple):
     own: DeviceContext
     # What torch's state was before it (_engine.NativeState), restored when it closes.
     saved: object
+    # What the kernels read while this region is innermost (derived from frame and depth
+    # when the record is made, so that entering and leaving only copy it out).
+    view: View
 
 
 class ThreadState(threading.local):

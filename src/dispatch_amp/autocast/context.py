@@ -40,6 +40,7 @@ _is_compiling = torch.compiler.is_dynamo_compiling
 _disarm_dynamo = _torch_compat.disarm_dynamo
 _rearm_dynamo = _torch_compat.rearm_dynamo
 _WARNED_COMPILED: set = set()
+_get_ident = threading.get_ident
 # The whole package (dispatch_amp/, not autocast/): the frames skipped below include the
 # callers of autocast elsewhere in the package (torch_patch, opt_levels, integrations).
 _PACKAGE_DIR = __file__.rsplit("/", 2)[0]
@@ -198,6 +199,29 @@ def _with_fp8(policy: Policy, fp8) -> Policy:
     return policy if marked else policy_with_fp8_ops(policy)
 
 
+# (device type, enabled, dtype, cache_enabled, id(policy)) -> the DeviceContext they make,
+# for regions without an fp8 recipe. A context is derived from its arguments alone (a
+# policy is immutable), and making one costs more than entering a region; the entry
+# holds its policy, so the id names that policy for as long as the entry lives. Bounded:
+# code that makes a new policy per region starts it afresh now and then.
+_CONTEXTS: dict = {}
+_MAX_CONTEXTS = 256
+
+
+def _context(device_type: str, enabled: bool, dtype: torch.dtype, policy: Policy, cache_enabled: bool, fp8):
+    """The ``DeviceContext`` of a region with these (checked) arguments."""
+    if fp8 is not None or _is_compiling():  # a recipe is mutable state; Dynamo traces the plain path
+        return _engine.DeviceContext(device_type, enabled, dtype, policy, cache_enabled, fp8)
+    key = (device_type, enabled, dtype, cache_enabled, id(policy))
+    ctx = _CONTEXTS.get(key)
+    if ctx is None or ctx.policy is not policy:
+        ctx = _engine.DeviceContext(device_type, enabled, dtype, policy, cache_enabled, None, kept=True)
+        if len(_CONTEXTS) >= _MAX_CONTEXTS:
+            _CONTEXTS.clear()
+        _CONTEXTS[key] = ctx
+    return ctx
+
+
 class autocast:
     """Context manager and decorator that runs ops in mixed precision.
 
@@ -249,7 +273,8 @@ class autocast:
         policy: Policy | None = None,
         fp8: Recipe | None = None,
     ):
-        device_type = _check_device_type(device_type)
+        if device_type.__class__ is not str or device_type not in _DEVICES:
+            device_type = _check_device_type(device_type)  # raises, or passes a str subclass
         if dtype in _FP8_DTYPES:
             raise ValueError(
                 f"dtype={dtype} cannot be an autocast dtype: torch's autocast state holds the "
@@ -276,12 +301,22 @@ class autocast:
                 f"policy must be a dispatch_amp.Policy (e.g. Policy.for_device('cuda')), "
                 f"got {type(policy).__name__}"
             )
-        policy = _with_fp8(policy, fp8)
-        if enabled:
+        ctx = None
+        if fp8 is None and not _is_compiling():
+            # Made before from this policy object: its fp8 check passed then (_with_fp8
+            # returns the policy itself), and it would now.
+            ctx = _CONTEXTS.get((device_type, enabled, dtype, cache_enabled, id(policy)))
+            if ctx is not None and ctx.policy is not policy:
+                ctx = None
+        if ctx is None:
+            policy = _with_fp8(policy, fp8)
+        # _usable's answer is None for a supported dtype off CUDA: asked only where it may not be.
+        if enabled and (device_type == "cuda" or dtype not in _DEVICES[device_type][1]):
             reason = _usable(device_type, dtype)
             if reason is not None:
                 warnings.warn(reason, stacklevel=2)
                 enabled = False
+                ctx = None
         self.device_type = device_type
         self.fast_dtype = dtype
         self.enabled = enabled
@@ -289,7 +324,9 @@ class autocast:
         self.policy = policy
         self.fp8 = fp8
         # What the engine opens (frozen: the arguments are checked and never change).
-        self._ctx = _engine.DeviceContext(device_type, enabled, dtype, policy, cache_enabled, fp8)
+        self._ctx = ctx if ctx is not None else _context(device_type, enabled, dtype, policy, cache_enabled, fp8)
+        # The key of this object's regions in _ENTERED.counts.
+        self._entered = (device_type, dtype)
         # thread id -> the frame of each open entry of this object (innermost last)
         self._open: dict[int, list[dict]] = {}
         # Regions entered while Dynamo traced: native regions held open, innermost last.
@@ -318,11 +355,17 @@ class autocast:
             if dynamo_hook is not None:  # eager code of a compiled function
                 _warn_if_inside_compiled()
             frame = _engine.enter(self._ctx)
-            self._open.setdefault(threading.get_ident(), []).append(frame)
+            thread = _get_ident()
+            entries = self._open.get(thread)
+            if entries is None:
+                self._open[thread] = [frame]
+            else:
+                entries.append(frame)
             if self.enabled:
-                key = (self.device_type, self.fast_dtype)
-                _ENTERED.counts[key] = _ENTERED.counts.get(key, 0) + 1
-            _rearm_dynamo(dynamo_hook)
+                counts, key = _ENTERED.counts, self._entered
+                counts[key] = counts.get(key, 0) + 1
+            if dynamo_hook is not None:  # None: nothing was armed, nothing to put back
+                _rearm_dynamo(dynamo_hook)
             return self
         except BaseException:
             if frame is not _NOTHING:
@@ -348,11 +391,20 @@ class autocast:
                     return None
                 return self._exit_eagerly(exc_type, exc, tb)
             dynamo_hook = _disarm_dynamo()
-            closing = self._innermost_entry()
+            thread = _get_ident()
+            entries = self._open.get(thread)
+            closing = entries[-1] if entries else self._innermost_entry()
             _engine.leave(closing)
-            self._forget(closing)
+            # self._forget(closing), its common cases inline.
+            if entries[-1] is not closing:
+                self._forget(closing)
+            elif len(entries) > 1:
+                del entries[-1]
+            else:
+                self._open.pop(thread, None)
             closing = None
-            _rearm_dynamo(dynamo_hook)
+            if dynamo_hook is not None:  # None: nothing was armed, nothing to put back
+                _rearm_dynamo(dynamo_hook)
             return None
         except BaseException:
             if closing is _NOTHING and not _is_compiling():
@@ -374,7 +426,7 @@ class autocast:
     def _innermost_entry(self, missing=_NOTHING):
         """The frame of this object's innermost open entry in this thread; without one,
         ``missing`` if given, else an error that says where it is open."""
-        thread = threading.get_ident()
+        thread = _get_ident()
         entries = self._open.get(thread)
         if entries:
             return entries[-1]
@@ -390,12 +442,18 @@ class autocast:
 
     def _forget(self, frame: dict) -> None:
         """Drops ``frame`` from this object's open entries in this thread, if it is there."""
-        thread = threading.get_ident()
-        entries = self._open.get(thread, [])
-        for i in range(len(entries) - 1, -1, -1):
-            if entries[i] is frame:
-                del entries[i]
-                break
+        thread = _get_ident()
+        entries = self._open.get(thread)
+        if not entries:
+            self._open.pop(thread, None)
+            return
+        if entries[-1] is frame:  # the common case: the innermost
+            del entries[-1]
+        else:
+            for i in range(len(entries) - 2, -1, -1):
+                if entries[i] is frame:
+                    del entries[i]
+                    break
         if not entries:
             self._open.pop(thread, None)
 

@@ -143,6 +143,8 @@ def _check_castable(name: str, overload: str | None) -> None:
 
 def _cast_kind(kind) -> CastKind:
     """The ``CastKind`` member for a kind given as a member or as its string."""
+    if kind.__class__ is CastKind:  # every region asks for its policy's fp8 ops by member
+        return kind
     try:
         return CastKind(kind)
     except ValueError:

@@ -70,17 +70,30 @@ class _Lifetime(threading.local):
 
 
 _LIFE = _Lifetime()
+# Whether a copy was ever kept in this process (any thread): until then no lifetime has a
+# site, and the engine need not call region_closed at every region's close.
+kept_any = False
 # Bumped by drop_all: every thread's entries made before are stale.
 _GENERATION = [0]
 _nesting_up = torch.autocast_increment_nesting
 _nesting_down = torch.autocast_decrement_nesting
 
 
+def _note_kept() -> None:
+    global kept_any
+    kept_any = True
+
+
 def region_closed() -> None:
     """Ends this thread's cache lifetime: its outermost autocast region closed (outside a
     ``cast_cache`` scope), or its ``cast_cache`` scope did. Its fp8 copies are freed."""
     life = _LIFE
-    owner, sites = life.owner, life.sites
+    sites = life.sites
+    if not sites:
+        # No copy was made in this lifetime (a site is recorded before its copy is kept):
+        # none holds its owner, which can serve the next lifetime as a new one would.
+        return
+    owner = life.owner
     life.owner, life.sites = object(), set()
     for site in sites:
         cached = site.cached
@@ -203,9 +216,10 @@ def quantize_weight(owner, weight: torch.Tensor, site, record: bool,
     if snapshot:
         holder = site.alive()
         held = found if holder is weight else (None if holder is None else _identity(holder))
+        _note_kept()
+        life.sites.add(site)  # first: no copy of this lifetime is kept unrecorded (region_closed)
         site.cached = _Cached(key, q, q_t, sc, tuple(snapshot), storage, life.owner, generation,
                               None if held is None else held[1])
-        life.sites.add(site)
         owner.watch()  # the copy is dropped before the next optimizer step
     return q, q_t, sc
 
@@ -242,8 +256,9 @@ def quantize_bias(site, bias: torch.Tensor | None, out_dtype: torch.dtype) -> to
     if cached is not None and cached[2] is life.owner and cached[1] is storage and cached[0] == key:
         return cached[3]
     low = bias.detach().to(out_dtype)
+    _note_kept()
+    life.sites.add(site)  # first, as in quantize_weight
     site.cached_bias = (key, storage, life.owner, low)
-    life.sites.add(site)
     return low
 
 
