@@ -14,7 +14,9 @@ process:
   was accumulated (post-accumulate-grad hooks beside a pre-hook on every node: counts, not
   times), its median over the weights, and the largest shift from native's.
 
-Needs the compiled engine (``DISPATCH_AMP_ENGINE`` unset or ``compiled``).
+Needs the compiled engine (``DISPATCH_AMP_ENGINE`` unset or ``compiled``). On torch before
+2.13 the engine batches nothing (docs/design.md, "Torch before 2.13"): the batched rows are
+left out and a line under the table says why.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ def measure(models: list[str]) -> list[dict]:
     import torch
 
     from benchmarks.suites import host_cost as hc
+    from benchmarks.suites.common import batched_casts_unavailable
     from dispatch_amp.autocast import _compiled_engine
 
     if _compiled_engine.active() is None:
@@ -88,14 +91,16 @@ def measure(models: list[str]) -> list[dict]:
     torch.set_num_threads(1)
     makers = {**{MODELS[k]: hc.MODELS[MODELS[k]] for k in ("gpt2", "resnet50", "mlp")}, MODELS["gpt-d384"]: _gpt_d384}
     rows = []
+    variants = [("native", "native", True), ("unbatched", "ours", False), ("batched", "ours", True)]
+    if batched_casts_unavailable():  # the "batched" row would measure the unbatched path again
+        variants.pop()
     before = _compiled_engine.set_batching(True)
     try:
         for key in models:
             model, batch = makers[MODELS[key]]()
             opt = torch.optim.SGD(model.parameters(), lr=1e-4)
             row = {"model": MODELS[key]}
-            for label, mode, batching in (("native", "native", True), ("unbatched", "ours", False),
-                                          ("batched", "ours", True)):
+            for label, mode, batching in variants:
                 _compiled_engine.set_batching(batching)
                 ours = mode == "ours"
                 calls = {"step": hc._step(model, batch, mode, opt),
@@ -115,6 +120,8 @@ def measure(models: list[str]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
+    from benchmarks.suites.common import batched_casts_unavailable
+
     lines = ["### batched weight casts: peak memory (KiB above the call's start) and gradient readiness",
              "",
              "| model | | step | accumulation | accumulation, ours in cast_cache | eval loop, ours in cast_cache "
@@ -122,12 +129,14 @@ def table(rows: list[dict]) -> str:
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         native = r["native_ready"]
-        for label in ("native", "unbatched", "batched"):
+        for label in [k for k in ("native", "unbatched", "batched") if f"{k}_ready" in r]:
             ready = r[f"{label}_ready"]
             shift = max(abs(ready[i] - native[i]) for i in native) if set(ready) == set(native) else float("nan")
             cells = " | ".join(f"{r[f'{label}_{k}'] / 1024:.0f}"
                                for k in ("step", "accumulate", "accumulate_cast_cache", "eval_cast_cache"))
             lines.append(f"| {r['model']} | {label} | {cells} | {statistics.median(ready.values()):.3f} | {shift:.3f} |")
+    if any("batched_ready" not in r for r in rows):
+        lines += ["", f"batched: not measured: {batched_casts_unavailable()}."]
     return "\n".join(lines)
 
 

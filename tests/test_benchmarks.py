@@ -11,10 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.torch_version import TorchVersion
 
 import dispatch_amp as amp
 
 REPO = Path(__file__).resolve().parents[1]
+# engine.cpp batches no weight casts before torch 2.13 (docs/design.md, "Torch before 2.13"):
+# there the benchmarks leave the batched rows out and say why.
+BATCHES = TorchVersion(torch.__version__) >= (2, 13)
 # Only a guard against a hang: a loaded CI machine may take many times the usual minute.
 HANG_GUARD_S = 1800
 
@@ -224,7 +228,10 @@ def test_engines_measures_both_engines_against_native():
                          cwd=REPO, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "MLP 24 x 64" in line]
-    assert [row.split("|")[1].strip() for row in rows] == ["compiled, unbatched", "compiled, batched", "python"], out.stdout
+    batched = ["compiled, batched"] if BATCHES else []
+    assert [row.split("|")[1].strip() for row in rows] == ["compiled, unbatched", *batched, "python"], out.stdout
+    not_measured = [line for line in out.stdout.splitlines() if line.startswith("| compiled, batched | not measured")]
+    assert len(not_measured) == (0 if BATCHES else 1) and all("before 2.13" in line for line in not_measured), out.stdout
 
 
 @pytest.mark.needs_compiler
@@ -234,6 +241,7 @@ def test_batched_casts_reports_native_unbatched_and_batched():
                          env={k: v for k, v in os.environ.items() if k != "DISPATCH_AMP_ENGINE"})
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith("| MLP 24 x 64")]
-    assert [row[2].strip() for row in rows] == ["native", "unbatched", "batched"], out.stdout
+    assert [row[2].strip() for row in rows] == ["native", "unbatched", *(["batched"] if BATCHES else [])], out.stdout
+    assert ("batched: not measured: torch" in out.stdout) == (not BATCHES), out.stdout
     assert float(rows[0][-2]) == 0.0  # native against itself
     assert all(int(row[3]) > 0 for row in rows)  # a step allocates

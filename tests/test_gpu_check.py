@@ -216,3 +216,26 @@ def test_the_part_takes_the_steps_per_sample(tmp_path, capsys):
         main(["train", "--dry-run", "--out", str(tmp_path), "--steps-per-sample", "0"])
     assert e.value.code == 2
     assert "--steps-per-sample must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("batches", [True, False], ids=["torch-batches", "torch-batches-nothing"])
+def test_the_batched_engine_variant_runs_only_where_torch_batches(tmp_path, monkeypatch, batches):
+    # Before torch 2.13 the compiled engine batches no weight casts: a child run with
+    # DISPATCH_AMP_BATCH_CASTS=1 would time the per-use casts under the batched label.
+    from benchmarks.check import engine_variants
+    from benchmarks.check.settings import Settings
+
+    reason = None if batches else "torch 2.11.0 batches no weight casts (before 2.13)"
+    monkeypatch.setattr(engine_variants, "batched_casts_unavailable", lambda: reason)
+    ran = []
+
+    def child(s, env):
+        ran.append(env)
+        return [{"model": m, "desc": m, "engine": "e", "native": [1.0, 1.1, 1.2], "ours": [1.1, 1.2, 1.3]}
+                for m in engine_variants.MODELS], ""
+
+    monkeypatch.setattr(engine_variants, "_run_child", child)
+    tables = list(engine_variants.section(Settings(dry_run=True, quick=False, logs=tmp_path)))
+    assert ran == [env for _, env in engine_variants.VARIANTS][:2 if batches else 1]
+    assert len(tables) == 2 and len(tables[1].rows) == (len(engine_variants.MODELS) if batches else 0)
+    assert ("Not measured: " + str(reason) in tables[1].markdown()) == (not batches)

@@ -59,6 +59,23 @@ def _cell(row: dict, key, fmt: str) -> str:
     return str(value)
 
 
+def batched_casts_unavailable() -> str | None:
+    """Why the compiled engine batches no weight casts on the running torch, or None where
+    it batches them: a benchmark prints this instead of a "batched" row, which would
+    otherwise measure the per-use casts under the wrong name.
+
+    Example::
+
+        reason = batched_casts_unavailable()   # None on torch 2.13 and later
+    """
+    from dispatch_amp._torch_compat import BATCHED_WEIGHT_CASTS
+
+    if BATCHED_WEIGHT_CASTS:
+        return None
+    return (f"torch {torch.__version__} batches no weight casts (the compiled engine batches them from "
+            f"torch 2.13 on: docs/design.md, \"Torch before 2.13\")")
+
+
 def ratio_columns(prefix: str = "", label: str = "ours/native") -> list:
     """The two columns of a ratio from ``timing.ratio_stats`` (keys prefixed as by
     ``timing.prefixed``): the median of per-round ratios and the ratio of medians, each

@@ -56,6 +56,14 @@ _missing: list[str] = []
 _release = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 SCALED_MM_ROWWISE_ON_CPU = _release >= (2, 12)
 
+# Whether the compiled engine can batch weight casts on this torch. engine.cpp's
+# batchable() is the source of truth: before 2.13 the class test of a bucket's weights
+# needs the GIL, so it batches nothing there (docs/design.md, "Torch before 2.13"), and
+# DISPATCH_AMP_BATCH_CASTS=1 leaves every weight cast at its use. This mirrors it in Python
+# so that what reports on batching (the benchmarks) can say so instead of measuring the
+# per-use casts under a "batched" label; tests/compiled/test_engine.py holds the two equal.
+BATCHED_WEIGHT_CASTS = _release >= (2, 13)
+
 
 def _lookup(owner, dotted: str, name: str):
     try:

@@ -43,7 +43,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.benchmark import timer as clock
 
 from . import GradScaler, _markdown, autocast
 from ._compiled import choice as _engine_choice
@@ -154,6 +153,11 @@ class _Run:
             return F.cross_entropy(logits.reshape(-1, self.vocab), y.reshape(-1))
 
     def step(self, step: int) -> None:
+        # Imported here, not at the top: torch.utils.benchmark pulls in torch.utils.cpp_extension
+        # (half a second, and a log line on a CUDA build of torch with no GPU), which importing
+        # the demo for its corpus, as the fp8 tests do, has no need of.
+        from torch.utils.benchmark import timer as clock
+
         scaler, result = self.scaler, self.result
         x, y = self.batch()
         start = clock()  # torch.utils.benchmark's clock: the accelerator synchronized first

@@ -115,7 +115,7 @@ def test_an_unforeseen_error_falls_back_named(tmp_path, monkeypatch):
         assert loader.Loader(root=tmp_path).load() is None
 
 
-def test_importing_the_package_builds_nothing(tmp_path):
+def test_importing_the_package_builds_nothing(tmp_path, without_torch_cuda_notice):
     cache = tmp_path / "cache"
     script = (
         "import dispatch_amp, dispatch_amp.autocast, dispatch_amp.demo\n"
@@ -127,4 +127,5 @@ def test_importing_the_package_builds_nothing(tmp_path):
     env["DISPATCH_AMP_CACHE_DIR"] = str(cache)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr
-    assert not cache.exists() and out.stderr == ""
+    # torch's own "No CUDA runtime" notice aside (a CUDA build with no GPU), nothing is said.
+    assert not cache.exists() and without_torch_cuda_notice(out.stderr) == ""
