@@ -230,15 +230,7 @@ def leave(frame: dict[str, DeviceContext]) -> None:
         _uninstall(st, index)
         _refresh(st, d)
         remaining = _decrement_nesting()
-        # _restore_native(saved, remaining), without the call
-        if remaining == 0:
-            torch.clear_autocast_cache()
-        device_type = saved.device_type
-        _set_native_enabled(device_type, saved.enabled)
-        _set_dtype(device_type, saved.dtype)
-        _set_cache_enabled(saved.cache_enabled)
-        if saved.backward_autocast is not None:
-            _functorch_config.backward_pass_autocast = saved.backward_autocast
+        _restore_native(saved, remaining)
     except BaseException:
         # Every step below is safe to repeat; only the nesting counter is counted.
         if index < len(regions) and regions[index].frame is frame:

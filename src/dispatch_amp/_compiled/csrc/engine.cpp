@@ -739,17 +739,21 @@ void cast_all(torch::jit::Stack* stack, size_t base, size_t n, at::ScalarType dt
 
 // Native's promote rule: float32 if any eligible input is float32, else the region's
 // dtype; another floating dtype among them: nullopt (Python raises native's error).
+// Whether promote handles `t` beside the inputs seen so far, widening `widest` to float32
+// where `t` asks for it.
+inline bool see_slot(const at::Tensor& t, at::ScalarType& widest) {
+  auto d = t.scalar_type();
+  if (d == widest || d == at::kDouble || !at::isFloatingType(d) || t.device().type() != tls.device) return true;
+  if (d == at::kFloat || widest == at::kFloat) {
+    widest = at::kFloat;
+    return true;
+  }
+  return false;
+}
+
 std::optional<at::ScalarType> promote_dtype(torch::jit::Stack* stack, size_t base, size_t n) {
   at::ScalarType widest = tls.dtype;
-  auto see = [&](const at::Tensor& t) -> bool {
-    auto d = t.scalar_type();
-    if (d == widest || d == at::kDouble || !at::isFloatingType(d) || t.device().type() != tls.device) return true;
-    if (d == at::kFloat || widest == at::kFloat) {
-      widest = at::kFloat;
-      return true;
-    }
-    return false;
-  };
+  auto see = [&](const at::Tensor& t) -> bool { return see_slot(t, widest); };
   for (size_t i = 0; i < n; ++i) {
     const c10::IValue& a = (*stack)[base + i];
     if (a.isTensor()) {
@@ -950,16 +954,7 @@ inline void cast_slot(std::optional<at::Tensor>& t, at::ScalarType dtype, CallSt
 }
 template <class T> inline void cast_slot(T&, at::ScalarType, CallState&) {}
 
-// promote_dtype's `see` over one argument; false: a dtype promote does not handle.
-inline bool see_slot(const at::Tensor& t, at::ScalarType& widest) {
-  auto d = t.scalar_type();
-  if (d == widest || d == at::kDouble || !at::isFloatingType(d) || t.device().type() != tls.device) return true;
-  if (d == at::kFloat || widest == at::kFloat) {
-    widest = at::kFloat;
-    return true;
-  }
-  return false;
-}
+// promote_dtype's `see` over an optional argument (see_slot above for a tensor).
 inline bool see_slot(const std::optional<at::Tensor>& t, at::ScalarType& widest) {
   return !t.has_value() || see_slot(*t, widest);
 }
