@@ -13,6 +13,9 @@ overload of the table through it as well; these read its counters to show which 
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -118,14 +121,36 @@ def cuda_rules_in_cpp(monkeypatch):
     refuses torch's checkpoint, ``_torch_checkpoint.py``), so this CPU machine would never
     see the unboxed kernel execute fp32-unless-dtype or promote. With that refusal taken
     out for a policy built here (a fresh plan), the rules are the C++ ones a CUDA region
-    runs."""
+    runs (``_in_fresh_process`` below does the same in a process of its own)."""
     from dispatch_amp.autocast import _routing
 
     monkeypatch.setattr(_routing, "refusing_torch_checkpoint", lambda handler, kind, native_kind: handler)
     return CUDA_POLICY.without_ops("vdot", name=f"cuda-rules-in-cpp-{id(monkeypatch)}")
 
 
-def test_fp32_and_fp32_unless_dtype_give_the_reference_results(module, cuda_rules_in_cpp):
+# The C++ side numbers the first 64 plans of a process (engine.cpp, kMaxPlans); a later
+# plan runs in Python. A whole test session makes more than that, so the two checks below,
+# which need their plan executed in C++, run in a fresh process of their own.
+def _in_fresh_process(check: str) -> None:
+    code = (f"import runpy; ns = runpy.run_path({__file__!r}); "
+            f"from dispatch_amp.autocast import _compiled_engine, _routing; "
+            f"_routing.refusing_torch_checkpoint = lambda handler, kind, native_kind: handler; "
+            f"policy = ns['CUDA_POLICY'].without_ops('vdot', name='cuda-rules-in-cpp'); "
+            f"ns[{check!r}](_compiled_engine.active(), policy); "
+            f"assert _compiled_engine.plan_number(_compiled_engine.ENGINE.numbered[-1]) >= 0")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+
+
+def test_fp32_and_fp32_unless_dtype_give_the_reference_results():
+    _in_fresh_process("_check_fp32_rules")
+
+
+def test_promote_widens_as_native_and_hands_mixed_low_dtypes_to_the_boxed_kernel():
+    _in_fresh_process("_check_promote")
+
+
+def _check_fp32_rules(module, cuda_rules_in_cpp):
     x = torch.randn(4, 8, dtype=torch.bfloat16)
     with amp.autocast("cpu", dtype=torch.bfloat16, policy=cuda_rules_in_cpp), _Counts(module) as counts:
         norm = F.layer_norm(x, (8,))
@@ -140,7 +165,7 @@ def test_fp32_and_fp32_unless_dtype_give_the_reference_results(module, cuda_rule
     assert torch.equal(total, torch.sum(x, dtype=torch.float32))
 
 
-def test_promote_widens_as_native_and_hands_mixed_low_dtypes_to_the_boxed_kernel(module, cuda_rules_in_cpp):
+def _check_promote(module, cuda_rules_in_cpp):
     a = torch.randn(4, dtype=torch.bfloat16)
     b, c = torch.randn(4), torch.randn(4)
     with amp.autocast("cpu", dtype=torch.bfloat16, policy=cuda_rules_in_cpp), _Counts(module) as counts:
