@@ -245,3 +245,13 @@ def test_batched_casts_reports_native_unbatched_and_batched():
     assert ("batched: not measured: torch" in out.stdout) == (not BATCHES), out.stdout
     assert float(rows[0][-2]) == 0.0  # native against itself
     assert all(int(row[3]) > 0 for row in rows)  # a step allocates
+
+
+@pytest.mark.needs_compiler
+def test_custom_policy_reports_the_built_in_and_the_custom_policy_against_native():
+    out = subprocess.run([sys.executable, "-m", "benchmarks.custom_policy", "--rounds", "1"],
+                         cwd=REPO, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith("| ") and " ms |" in line]
+    assert [row[1].strip() for row in rows] == ["built-in", "custom"], out.stdout
+    assert out.stdout.startswith(f"engine: {amp.engine()};"), out.stdout

@@ -114,27 +114,23 @@ def test_a_weights_cast_is_shared_by_the_unboxed_and_boxed_kernels(module):
 
 
 @pytest.fixture
-def cuda_rules_in_cpp(monkeypatch):
+def cuda_rules_in_cpp():
     """A CUDA-table policy of its own whose rules the C++ side executes on CPU tensors.
 
-    On a CPU region a CUDA-table rule that differs from native's CPU table is Python (it
-    refuses torch's checkpoint, ``_torch_checkpoint.py``), so this CPU machine would never
-    see the unboxed kernel execute fp32-unless-dtype or promote. With that refusal taken
-    out for a policy built here (a fresh plan), the rules are the C++ ones a CUDA region
-    runs (``_in_fresh_process`` below does the same in a process of its own)."""
-    from dispatch_amp.autocast import _routing
-
-    monkeypatch.setattr(_routing, "refusing_torch_checkpoint", lambda handler, kind, native_kind: handler)
-    return CUDA_POLICY.without_ops("vdot", name=f"cuda-rules-in-cpp-{id(monkeypatch)}")
+    On a CPU region a CUDA-table rule that differs from native's CPU table is guarded (its
+    Python handler refuses torch's checkpoint, ``_torch_checkpoint.py``): the C++ side
+    executes it outside torch's checkpoint, which is where these tests call it. A policy
+    built here has a fresh plan (``_in_fresh_process`` below builds one in a process of
+    its own)."""
+    return CUDA_POLICY.without_ops("vdot", name="cuda-rules-in-cpp")
 
 
 # The C++ side numbers the first 64 plans of a process (engine.cpp, kMaxPlans); a later
-# plan runs in Python. A whole test session makes more than that, so the two checks below,
+# plan runs in Python. A whole test session makes more than that, so the checks below,
 # which need their plan executed in C++, run in a fresh process of their own.
 def _in_fresh_process(check: str) -> None:
     code = (f"import runpy; ns = runpy.run_path({__file__!r}); "
-            f"from dispatch_amp.autocast import _compiled_engine, _routing; "
-            f"_routing.refusing_torch_checkpoint = lambda handler, kind, native_kind: handler; "
+            f"from dispatch_amp.autocast import _compiled_engine; "
             f"policy = ns['CUDA_POLICY'].without_ops('vdot', name='cuda-rules-in-cpp'); "
             f"ns[{check!r}](_compiled_engine.active(), policy); "
             f"assert _compiled_engine.plan_number(_compiled_engine.ENGINE.numbered[-1]) >= 0")
@@ -181,6 +177,68 @@ def _check_promote(module, cuda_rules_in_cpp):
         with pytest.raises(RuntimeError, match="promote"):
             torch.addcmul(a, half, half)
     assert (counts.executed, counts.handed) == (0, 1)
+
+
+def test_a_rule_that_differs_from_natives_runs_in_cpp_outside_torchs_checkpoint():
+    _in_fresh_process("_check_guarded_rules")
+
+
+def _check_guarded_rules(module, cuda_rules_in_cpp):
+    """A user's policy that casts an op otherwise than native's table (here the CUDA table
+    on CPU tensors: softmax to float32 through its dtype argument, unboxed; addr lowered,
+    boxed): the C++ side executes it wherever torch's checkpoint cannot be running, and
+    hands it to the Python handler, which refuses inside that checkpoint, everywhere else
+    it might be."""
+    from torch.utils import checkpoint as torch_checkpoint
+
+    region = lambda: amp.autocast("cpu", dtype=torch.bfloat16, policy=cuda_rules_in_cpp)  # noqa: E731
+    x = torch.randn(4, 8, requires_grad=True)
+    v1, v2 = torch.randn(4), torch.randn(8)
+    want_soft = torch.softmax(x.detach(), -1, dtype=torch.float32)
+    want_addr = torch.addr(x.detach().bfloat16(), v1.bfloat16(), v2.bfloat16())
+    store_size = []
+
+    def calls(t):
+        soft = torch.softmax(t, -1)
+        out = torch.addr(t, v1, v2)
+        store_size.append(len(module.region_store()))
+        return soft, out
+
+    def same(results):
+        soft, out = results
+        assert soft.dtype == torch.float32 and torch.equal(soft.detach(), want_soft)
+        assert out.dtype == torch.bfloat16 and torch.equal(out.detach(), want_addr)
+
+    # Grad mode on, no saved-tensor hooks, no checkpoint frame: executed here, boxed too
+    # (addr's kernel is boxed: the Python kernel would have cast x through the store).
+    with region(), _Counts(module) as counts:
+        same(calls(x))
+    assert (counts.executed, counts.handed) == (1, 0)
+    assert store_size[-1] == 1  # x, a leaf that requires grad: cast once, kept by the C++ store
+    # Where torch's checkpoint may be running, the Python handler decides: under no_grad
+    # and under saved-tensor hooks it finds none and casts as the rule says.
+    with region(), torch.no_grad(), _Counts(module) as counts:
+        same(calls(x))
+    assert (counts.executed, counts.handed) == (0, 1)
+    with region(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), _Counts(module) as counts:
+        same(calls(x))
+    assert (counts.executed, counts.handed) == (0, 1)
+    # Inside torch's checkpoint, both variants, it refuses with the way out; also where the
+    # checkpointed function turns grad mode back on (only the Python stack shows the
+    # reentrant variant there).
+    def grad_back_on(t):
+        with torch.enable_grad():
+            return calls(t)
+
+    for use_reentrant, fn in [(False, calls), (True, calls), (True, grad_back_on)]:
+        with region(), pytest.raises(RuntimeError, match="Use dispatch_amp.checkpoint"):
+            torch_checkpoint.checkpoint(fn, x, use_reentrant=use_reentrant)
+    # Our checkpoint recomputes under the policy: same results, gradients through it.
+    with region():
+        soft, out = amp.checkpoint(calls, x, use_reentrant=False)
+    same((soft, out))
+    (soft.sum() + out.float().sum()).backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
 def test_an_overload_the_policy_does_not_cast_runs_as_given(module, cuda_rules_in_cpp):

@@ -12,8 +12,10 @@ Python engine builds; it decides nothing. This module is where the two meet:
   its handler stands for is written into the kernel at the first call that needs it
   (``resolve_rule``): ``_handlers.lower``, ``fp32``,
   ``promote``, ``given`` and native's fp32-unless-dtype wrapper with its ``dtype``
-  argument; any other handler (fp8, cuDNN RNN, banned ops, the refusals of
-  ``_torch_checkpoint``, native's fp32-append-dtype wrapper) stays Python;
+  argument, and each of these inside ``_torch_checkpoint``'s refusal (a user's policy that
+  casts an op otherwise than native's table), which the C++ side executes wherever torch's
+  checkpoint cannot be running and hands to the refusal elsewhere; any other handler (fp8,
+  cuDNN RNN, banned ops, native's fp32-append-dtype wrapper) stays Python;
 - the thread's innermost context (``_engine._refresh``) is written to the C++ side's
   thread-local copy (its ``set_top``, with arguments made once per region:
   ``set_top_arguments``);
@@ -79,6 +81,7 @@ def active():
                 module.init(
                     _torch_compat.CASTS_LAST_ARGUMENT_FIRST, _cast_cache.SCOPE,
                     torch.Tensor, torch.nn.Parameter, _cast_cache.lookup, resolve_rule,
+                    _torch_compat.reentrant_checkpoint_function.forward.__code__,
                 )
                 _cast_cache.use_native(module)
                 module.set_batching(_batching_setting())
@@ -148,15 +151,22 @@ def register(module, op, python_kernel) -> None:
         ENGINE.kernels.append(op)
 
 
-def rule_of(handler) -> tuple[int, int]:
-    """The C++ rule ``handler`` stands for: (kind, position of the dtype argument or -1)."""
+def rule_of(handler) -> tuple[int, int, bool]:
+    """The C++ rule ``handler`` stands for: (kind, position of the dtype argument or -1,
+    guarded). Guarded: ``handler`` refuses torch's checkpoint around the rule (see
+    ``_torch_checkpoint``); the C++ side executes the rule only where that checkpoint
+    cannot be running, and calls ``handler`` elsewhere."""
+    inner = getattr(handler, "refuses_torch_checkpoint", None)
+    guarded = inner is not None
+    if guarded:
+        handler = inner
     kind = _SIMPLE_RULES.get(handler)
     if kind is not None:
-        return kind, -1
+        return kind, -1, guarded
     position = getattr(handler, "dtype_position", None)
     if position is not None:
-        return FP32_OPT_DTYPE, position
-    return PYTHON, -1
+        return FP32_OPT_DTYPE, position, guarded
+    return PYTHON, -1, False
 
 
 def prepare(plan) -> None:
@@ -180,8 +190,8 @@ def resolve_rule(kernel: int, number: int) -> None:
     """Writes the rule of kernel ``kernel`` under plan ``number`` (the C++ kernel asks,
     once, at the first call that needs it)."""
     op, plan = ENGINE.kernels[kernel], ENGINE.numbered[number]
-    kind, position = rule_of(plan.handler(op))
-    ENGINE.module.set_rule(kernel, number, kind, position)
+    kind, position, guarded = rule_of(plan.handler(op))
+    ENGINE.module.set_rule(kernel, number, kind, position, guarded)
 
 
 def plan_number(plan) -> int:

@@ -35,6 +35,9 @@ def refusing_torch_checkpoint(handler, kind, native_kind):
         return handler(ctx, st, op, keyset, args, kwargs)
 
     refusing.__wrapped__ = handler
+    # The compiled engine reads the rule of `handler` and runs it itself wherever torch's
+    # checkpoint cannot be running (autocast/_compiled_engine.py, rule_of).
+    refusing.refuses_torch_checkpoint = handler
     return refusing
 
 

@@ -23,6 +23,7 @@
 #include <torch/extension.h>
 
 #include <ATen/CachedTensorUtils.h>
+#include <ATen/SavedTensorHooks.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/InferenceMode.h>
@@ -53,6 +54,14 @@ namespace {
 // -- rules ---------------------------------------------------------------------------------
 // The kinds of rule this file executes; anything else stays PYTHON (the Python kernel).
 enum Kind : uint8_t { PYTHON = 0, GIVEN = 1, LOWER = 2, FP32 = 3, PROMOTE = 4, FP32_OPT_DTYPE = 5 };
+// A rule's word: its kind in the low seven bits, kGuarded, and above them the position of
+// the dtype argument (fp32-unless-dtype). kGuarded marks a rule whose kind differs from
+// native's table for the region's device (a user's policy): torch's checkpoint recomputes
+// under native's table, so such a call is executed here only where torch's checkpoint
+// cannot be running (`outside_torch_checkpoint`), and elsewhere goes to the Python
+// handler, which refuses with the way out (autocast/_torch_checkpoint.py).
+constexpr uint32_t kKindMask = 0x7f;
+constexpr uint32_t kGuarded = 0x80;
 // Plans are numbered by the Python side; a plan numbered past this runs in Python.
 constexpr int kMaxPlans = 64;
 
@@ -63,6 +72,7 @@ struct Config {
   PyTypeObject* parameter_type = nullptr;
   PyObject* python_lookup = nullptr;  // _cast_cache.lookup, for a store without a twin here
   PyObject* resolve_rule = nullptr;   // _compiled_engine.resolve_rule(kernel, plan): writes one rule
+  PyObject* reentrant_code = nullptr;  // the code of torch's reentrant checkpoint's forward
   c10::DispatchKeySet autocast_keys;
   c10::DispatchKeySet below_autocast;
   c10::DispatchKeySet to_python;      // functionality keys whose calls Python handles (and meta tensors)
@@ -795,6 +805,31 @@ PyObject* ivalue_to_python(const c10::Argument& arg, const c10::IValue& v) {
   return torch::jit::toPyObject(v).release().ptr();
 }
 
+// Whether torch's checkpoint cannot be running the calling code, read for a kGuarded rule
+// (the Python handler's test, `inside_torch_checkpoint`, without its cost in the common
+// case). Its reentrant variant runs the function under no_grad and its non-reentrant one
+// packs saved tensors with its own hooks, so grad mode off or any saved-tensor hooks send
+// the call to Python, which tells them apart. A function that turns grad mode back on
+// inside the reentrant variant is still inside it: the Python stack is searched for that
+// variant's forward, as the Python test does (the GIL for a few frames: a fraction of a
+// microsecond, against the tens of a call to the Python handler).
+bool outside_torch_checkpoint() {
+  if (!at::GradMode::is_enabled() || !at::SavedTensorDefaultHooks::get_tls_state().stack.empty()) return false;
+  pybind11::gil_scoped_acquire gil;
+  PyFrameObject* frame = PyEval_GetFrame();  // borrowed
+  Py_XINCREF(frame);
+  while (frame != nullptr) {
+    PyCodeObject* code = PyFrame_GetCode(frame);
+    bool inside = reinterpret_cast<PyObject*>(code) == g.reentrant_code;
+    Py_DECREF(code);
+    PyFrameObject* back = inside ? nullptr : PyFrame_GetBack(frame);
+    Py_DECREF(frame);
+    if (inside) return false;
+    frame = back;
+  }
+  return true;
+}
+
 // A rule not written yet: the first call under that plan asks Python for it.
 constexpr uint32_t kUnknown = 0xffffffffu;
 
@@ -806,7 +841,7 @@ struct Kernel : public c10::OperatorKernel {
 
   PyObject* python;
   int64_t index;
-  // Per plan: kind in the low byte, the dtype argument's position above it.
+  // Per plan: the rule's word (kind, kGuarded, the dtype argument's position).
   std::array<std::atomic<uint32_t>, kMaxPlans> rules;
 
   // The rule of this overload under `plan`, asking Python (which writes it) the first time:
@@ -895,10 +930,11 @@ struct Kernel : public c10::OperatorKernel {
     const Top& top = tls;
     if (!executes(ks, top)) return to_python(op, ks, stack);
     uint32_t rule = rule_for(top.plan);
+    if ((rule & kGuarded) && !outside_torch_checkpoint()) return to_python(op, ks, stack);
     size_t n = op.schema().arguments().size();
     size_t base = stack->size() - n;
     CallState cs;
-    switch (static_cast<Kind>(rule & 0xff)) {
+    switch (static_cast<Kind>(rule & kKindMask)) {
       case GIVEN:
         op.redispatchBoxed(ks & g.below_autocast, stack);
         return;
@@ -1026,12 +1062,21 @@ template <class Op, class R, class... Args> struct Fast<Op, R(Args...)> {
     return c10::impl::PopResult<R>::call(stack);
   }
 
+  // Straight to the Python kernel (a kGuarded rule that torch's checkpoint may be running).
+  static R python(Kernel* kernel, const c10::OperatorHandle& op, c10::DispatchKeySet ks, Args... args) {
+    ++tl_unboxed.handed;
+    torch::jit::Stack stack = c10::impl::boxArgs<Args...>(std::forward<Args>(args)...);
+    kernel->to_python(op, ks, &stack);
+    return c10::impl::PopResult<R>::call(stack);
+  }
+
   static R run(Kernel* kernel, const c10::OperatorHandle& op, c10::DispatchKeySet ks, Args... args) {
     const Top& top = tls;
     if (!Kernel::executes(ks, top)) return boxed(kernel, op, ks, std::forward<Args>(args)...);
     uint32_t rule = kernel->rule_for(top.plan);
+    if ((rule & kGuarded) && !outside_torch_checkpoint()) return python(kernel, op, ks, std::forward<Args>(args)...);
     auto seq = std::index_sequence_for<Args...>{};
-    switch (static_cast<Kind>(rule & 0xff)) {
+    switch (static_cast<Kind>(rule & kKindMask)) {
       case GIVEN:
         ++tl_unboxed.executed;
         return Op::redispatch(ks & g.below_autocast, std::forward<Args>(args)...);
@@ -1040,7 +1085,7 @@ template <class Op, class R, class... Args> struct Fast<Op, R(Args...)> {
         ++tl_unboxed.executed;
         Slots s(args...);  // copies: a call handed to the boxed kernel still has its arguments
         CallState cs;
-        cast_slots(s, (rule & 0xff) == LOWER ? top.dtype : at::kFloat, cs, seq);
+        cast_slots(s, (rule & kKindMask) == LOWER ? top.dtype : at::kFloat, cs, seq);
         return call_without_autocast(s);
       }
       case PROMOTE: {
@@ -1110,13 +1155,15 @@ std::unordered_set<std::string> g_fast;  // the overloads registered with an unb
 
 // -- what Python calls ---------------------------------------------------------------------
 void init(bool last_first, pybind11::object scope_var, pybind11::object tensor_type,
-          pybind11::object parameter_type, pybind11::object python_lookup, pybind11::object resolve_rule) {
+          pybind11::object parameter_type, pybind11::object python_lookup, pybind11::object resolve_rule,
+          pybind11::object reentrant_code) {
   g.last_first = last_first;
   g.scope_var = scope_var.release().ptr();
   g.tensor_type = reinterpret_cast<PyTypeObject*>(tensor_type.release().ptr());
   g.parameter_type = reinterpret_cast<PyTypeObject*>(parameter_type.release().ptr());
   g.python_lookup = python_lookup.release().ptr();
   g.resolve_rule = resolve_rule.release().ptr();
+  g.reentrant_code = reentrant_code.release().ptr();
   g.autocast_keys = c10::autocast_dispatch_keyset | c10::DispatchKeySet(c10::DispatchKey::AutocastPrivateUse1);
   g.below_autocast = c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::AutocastCPU)
                          .remove(c10::DispatchKey::PythonDispatcher);
@@ -1163,12 +1210,14 @@ int64_t register_kernel(const std::string& ns, const std::string& name, pybind11
   return static_cast<int64_t>(g_kernels.size() - 1);
 }
 
-void set_rule(int64_t kernel, int64_t plan, int64_t kind, int64_t position) {
+void set_rule(int64_t kernel, int64_t plan, int64_t kind, int64_t position, bool guarded) {
   TORCH_CHECK(kernel >= 0 && kernel < static_cast<int64_t>(g_kernels.size()), "no kernel ", kernel);
   TORCH_CHECK(plan >= 0 && plan < kMaxPlans, "plan ", plan, " out of range");
   TORCH_CHECK(kind >= PYTHON && kind <= FP32_OPT_DTYPE, "unknown rule kind ", kind);
   TORCH_CHECK(kind != FP32_OPT_DTYPE || position >= 0, "an fp32-unless-dtype rule needs its position");
-  uint32_t packed = static_cast<uint32_t>(kind) | (static_cast<uint32_t>(position < 0 ? 0 : position) << 8);
+  TORCH_CHECK(!guarded || kind != PYTHON, "a Python rule is never guarded (its handler refuses itself)");
+  uint32_t packed = static_cast<uint32_t>(kind) | (guarded ? kGuarded : 0u) |
+                    (static_cast<uint32_t>(position < 0 ? 0 : position) << 8);
   g_kernels[kernel]->rules[plan].store(packed, std::memory_order_relaxed);
 }
 
