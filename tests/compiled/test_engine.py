@@ -17,6 +17,7 @@ import os
 import statistics
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -359,6 +360,19 @@ def test_the_environment_switch_turns_batching_on(value, on):
                          env={**env, "DISPATCH_AMP_ENGINE": "compiled"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["compiled", str(on)]
+    # Before torch 2.13 nothing is batched, and asking for it says so.
+    assert ("has no effect on torch" in out.stderr) == (value == "1" and not _torch_compat.BATCHED_WEIGHT_CASTS)
+
+
+def test_asking_for_batching_where_torch_cannot_batch_says_so(monkeypatch):
+    monkeypatch.setenv(_compiled_engine.BATCH_ENV, "1")
+    monkeypatch.setattr(_torch_compat, "BATCHED_WEIGHT_CASTS", False)
+    with pytest.warns(UserWarning, match=r"DISPATCH_AMP_BATCH_CASTS=1 has no effect on torch .* unset"):
+        assert _compiled_engine._batching_setting()
+    monkeypatch.setattr(_torch_compat, "BATCHED_WEIGHT_CASTS", True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _compiled_engine._batching_setting()
 
 
 def test_an_unknown_switch_value_is_refused():

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 
 import torch
 
@@ -95,6 +96,13 @@ def _batching_setting() -> bool:
     if raw in ("", "0"):
         return False
     if raw == "1":
+        if not _torch_compat.BATCHED_WEIGHT_CASTS:
+            # Said once, when the engine is chosen: the setting is read then and only then.
+            warnings.warn(
+                f"{BATCH_ENV}=1 has no effect on torch {torch.__version__}: the compiled engine batches "
+                f"weight casts from torch 2.13 on (before it, the class test of a bucket's weights needs "
+                f"the GIL), so each weight is cast at its use, as without it. Upgrade torch to batch, or "
+                f"unset {BATCH_ENV}.", UserWarning, stacklevel=2)
         return True
     raise ValueError(f"{BATCH_ENV}={raw!r}: use {BATCH_ENV}=1 to batch each region's weight casts, "
                      f"or 0 (the default) to cast each weight at its use")
