@@ -710,10 +710,9 @@ def _named_call_refused(name: str, policy: Policy) -> bool:
         return True
     op, _, overload = name.split("::")[1].partition(".")
     handler = plan_for(policy, "cpu").handler(getattr(getattr(torch.ops.aten, op), overload or "default"))
-    kind, _, guarded = _compiled_engine.rule_of(handler)
-    # A guarded rule (a kind that differs from native's CPU table) runs in C++ only with
-    # grad mode on (engine.cpp, outside_torch_checkpoint); these tests call with it on.
-    return kind == _compiled_engine.PYTHON or (guarded and not torch.is_grad_enabled())
+    # A guarded rule (a kind that differs from native's CPU table) runs in C++ outside
+    # torch's checkpoint (engine.cpp, outside_torch_checkpoint), where these tests call.
+    return _compiled_engine.rule_of(handler)[0] == _compiled_engine.PYTHON
 
 
 def _assert_named_call_refused(name, grad, region):

@@ -209,23 +209,20 @@ def _check_guarded_rules(module, cuda_rules_in_cpp):
         assert soft.dtype == torch.float32 and torch.equal(soft.detach(), want_soft)
         assert out.dtype == torch.bfloat16 and torch.equal(out.detach(), want_addr)
 
-    # Grad mode on, no saved-tensor hooks, no checkpoint frame: executed here, boxed too
-    # (addr's kernel is boxed: the Python kernel would have cast x through the store).
-    with region(), _Counts(module) as counts:
-        same(calls(x))
-    assert (counts.executed, counts.handed) == (1, 0)
-    assert store_size[-1] == 1  # x, a leaf that requires grad: cast once, kept by the C++ store
-    # Where torch's checkpoint may be running, the Python handler decides: under no_grad
-    # and under saved-tensor hooks it finds none and casts as the rule says.
-    with region(), torch.no_grad(), _Counts(module) as counts:
-        same(calls(x))
-    assert (counts.executed, counts.handed) == (0, 1)
+    # No saved-tensor hooks, no checkpoint frame: executed here, with grad mode on or off
+    # (addr's kernel is boxed: its calls are not counted).
+    for grad in (True, False):
+        with region(), torch.set_grad_enabled(grad), _Counts(module) as counts:
+            same(calls(x))
+        assert (counts.executed, counts.handed) == (1, 0)
+        assert store_size[-1] == 1  # x, a leaf that requires grad: cast once, kept by the C++ store
+    # Under saved-tensor hooks torch's checkpoint may be running: the Python handler
+    # decides, finds none, and casts as the rule says.
     with region(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), _Counts(module) as counts:
         same(calls(x))
     assert (counts.executed, counts.handed) == (0, 1)
     # Inside torch's checkpoint, both variants, it refuses with the way out; also where the
-    # checkpointed function turns grad mode back on (only the Python stack shows the
-    # reentrant variant there).
+    # checkpointed function turns grad mode back on inside the reentrant variant.
     def grad_back_on(t):
         with torch.enable_grad():
             return calls(t)
