@@ -14,9 +14,10 @@
 // Whatever this file does not execute goes to the Python kernel of the same overload,
 // which it holds (the reference engine): a thread without a single context of ours in
 // force, a native region open inside ours, torch's state switched by hand, rules written
-// as Python (fp8, cuDNN RNN, banned ops, refusals), and calls with tensors or modes that
-// Python handles (fake, functional and subclass tensors, dispatch modes, tracing,
-// functorch, meta, sparse and nested tensors).
+// as Python (fp8, cuDNN RNN, banned ops), a user's rule where torch's checkpoint may be
+// running (kGuarded below), and calls with tensors or modes that Python handles (fake,
+// functional and subclass tensors, dispatch modes, tracing, functorch, meta, sparse and
+// nested tensors).
 //
 // This file inlines dispatcher and TensorImpl code: a build is valid for the torch it
 // was compiled against only (the loader keys its cache on torch's version).
