@@ -325,6 +325,114 @@ def test_under_torch_compile_the_same_bits_and_no_batched_node():
     assert _same(results[0], results[1])
 
 
+def _gradients(native: bool, model, x, backward):
+    """The weights' gradients of a fresh copy of `model` after its third region (the first
+    makes the plan), and how many batched nodes that region's output held."""
+    model = copy.deepcopy(model)
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        with _region(native):
+            out = model(x).float().pow(2).mean()
+        backward(model, out)
+    return [p.grad for p in model.parameters()], _batched_nodes(out)
+
+
+@needs_buckets
+def test_under_compiled_autograd_a_bucket_node_gives_natives_gradients():
+    """Compiled autograd traces the bucket node's backward (its ops) into its graph."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]), torch.randn(4, 8)
+
+    def compiled_backward(_, out):
+        torch._dynamo.reset()
+        with torch._dynamo.compiled_autograd._enable(torch.compile(backend="aot_eager")):
+            out.backward()
+
+    ours, batched = _gradients(False, model, x, compiled_backward)
+    native, _ = _gradients(True, model, x, lambda _, out: out.backward())
+    assert batched > 0
+    assert _same(ours, native)
+
+
+@needs_buckets
+def test_a_second_order_gradient_through_a_bucket_is_natives():
+    """create_graph: the bucket node's backward casts each gradient with a differentiable
+    cast, so a gradient penalty's gradient reaches the weights as through native's casts."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)), torch.randn(4, 8)
+
+    def penalty(m, out):
+        grads = torch.autograd.grad(out, list(m.parameters()), create_graph=True)
+        sum(g.pow(2).sum() for g in grads).backward()
+
+    ours, batched = _gradients(False, model, x, penalty)
+    native, _ = _gradients(True, model, x, penalty)
+    assert batched > 0
+    assert _same(ours, native)
+
+
+class _InOrder(nn.Module):
+    """Four bias-free linears, applied in the order the call asks for."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8, bias=False) for _ in range(4))
+
+    def forward(self, x, order):
+        for i in order:
+            x = self.layers[i](x)
+        return x
+
+
+def _buckets(model, out) -> list[list[int]]:
+    """Which layers' weights each bucket node of `out`'s graph casts, by layer index."""
+    index = {id(layer.weight): i for i, layer in enumerate(model.layers)}
+    found = []
+    for node in _nodes(out.grad_fn):
+        if _BATCHED_NODE in node.name():
+            found.append(sorted(index[id(f.variable)] for f, _ in node.next_functions if f is not None))
+    return sorted(found)
+
+
+@needs_buckets
+def test_a_region_out_of_its_plans_order_makes_the_next_plan():
+    """Plan (0, 1) (2, 3); a region using 0, 2, 1, 3 departs from it at 2 and is cast as
+    the old plan says (the bucket of 2 is (2, 3)); its order is the next region's plan."""
+    torch.manual_seed(0)
+    model, x = _InOrder(), torch.randn(4, 8)
+    with _region(False):
+        model(x, [0, 1, 2, 3])
+    with _region(False):
+        out = model(x, [0, 2, 1, 3])
+    assert _buckets(model, out) == [[0, 1], [2, 3]]
+    with _region(False):
+        out = model(x, [0, 2, 1, 3])
+    assert _buckets(model, out) == [[0, 2], [1, 3]]
+    with _region(False):
+        again = model(x, [0, 2, 1, 3])  # followed: the plan stays
+    assert _buckets(model, again) == [[0, 2], [1, 3]]
+    with _region(True):
+        native = model(x, [0, 2, 1, 3])
+    assert torch.equal(again, native)
+
+
+@needs_buckets
+def test_a_region_that_uses_part_of_its_plan_leaves_that_part_as_the_next_plan():
+    torch.manual_seed(0)
+    model, x = _InOrder(), torch.randn(4, 8)
+    with _region(False):
+        model(x, [0, 1, 2, 3])
+    with _region(False):
+        out = model(x, [0, 1, 0])  # a prefix of the plan, 0 used twice
+    assert _buckets(model, out) == [[0, 1]]
+    with _region(False):
+        out = model(x, [0, 1, 2, 3])  # the plan is (0, 1) now: 2 and 3 are cast at their use
+    assert _buckets(model, out) == [[0, 1]]
+    with _region(False):
+        out = model(x, [0, 1, 2, 3])
+    assert _buckets(model, out) == [[0, 1], [2, 3]]
+
+
 @needs_buckets
 def test_a_weight_whose_requires_grad_changed_since_the_plan_is_left_out():
     torch.manual_seed(0)

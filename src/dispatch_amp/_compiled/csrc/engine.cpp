@@ -34,7 +34,8 @@
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/anomaly_mode.h>
-#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/dynamo/compiled_autograd.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/frontend/tracer.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
@@ -373,8 +374,8 @@ inline bool cacheable(const at::Tensor& t, at::ScalarType dtype) {
 // every region. Here the weights a thread's region used (in order of first use) become, when
 // its outermost region closes, the plan of the next region that starts with the same
 // weight: contiguous buckets of it. At a region's first miss of a weight its plan places,
-// the whole bucket is cast from the weights' current values in one multi-tensor copy inside
-// one autograd node (BatchedWeightCast, whose backward casts each gradient back to float32
+// the whole bucket is cast from the weights' current values in one multi-tensor copy, given
+// one autograd node (BatchedWeightCastBackward, which casts each gradient back to float32
 // as `_to_copy`'s does), and the casts go into the store as if each had been made at its
 // use. Nothing is reused across regions that native would not reuse: the plan holds weak
 // references and no values, and each region casts again (inside `cast_cache()` the casts a
@@ -393,7 +394,8 @@ inline bool cacheable(const at::Tensor& t, at::ScalarType dtype) {
 // the Python kernels (dispatch modes, fake and functional tensors, functorch): what those
 // see is native's one cast per weight.
 // Off by default (the Python side sets it from DISPATCH_AMP_BATCH_CASTS): on this
-// project's CPU it made forwards dearer and steps no cheaper (docs/performance.md).
+// project's CPU it makes steps cheaper and forwards no cheaper, and it moves gradient
+// readiness and accumulation's peak (docs/design.md); a GPU measurement decides.
 std::atomic<bool> g_batching{false};
 // A plan's buckets: 16, so that a weight's gradient is ready at most a sixteenth of the
 // region's weights later than native's (DDP's buckets are as coarse on GPT-2 small); at
@@ -405,37 +407,87 @@ constexpr size_t kPlansKept = 8;    // plans kept per thread, the most recently 
 using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
 using NodePtr = std::decay_t<decltype(std::declval<const at::Tensor&>().grad_fn())>;
 
-struct BatchedWeightCast : public torch::autograd::Function<BatchedWeightCast> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList weights,
-                                                at::ScalarType dtype) {
-    ctx->set_materialize_grads(false);  // a cast unused: no gradient (not zeros) for its weight
-    std::vector<at::Tensor> out;
-    out.reserve(weights.size());
-    // New tensors that nothing else sees yet: below autograd and the inplace/view layer,
-    // as `_to_copy`'s own allocation and copy run.
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    for (const at::Tensor& w : weights) {
-      auto options = w.options().dtype(dtype);
-      // The layout `_to_copy` gives: the weight's strides where it is dense.
-      out.push_back(w.is_non_overlapping_and_dense() ? at::empty_strided(w.sizes(), w.strides(), options)
-                                                     : at::empty_like(w, options));
+// The backward of one bucket's cast: each weight's gradient cast back to float32, as
+// `_to_copy`'s backward does, and nothing for a cast unused (no zeros). A plain autograd
+// node, made as torch's generated ones are (edges, input metadata, history), and not a
+// custom Function: that one's bookkeeping per input and output (their shapes copied twice,
+// a set of the inputs, forward-AD checks) cost more than the single casts it replaced.
+struct BatchedWeightCastBackward : public torch::autograd::Node {
+  std::string name() const override { return "BatchedWeightCastBackward"; }
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    torch::autograd::variable_list out(grads.size());
+    if (at::GradMode::is_enabled()) {  // create_graph: differentiable casts
+      for (size_t i = 0; i < grads.size(); ++i)
+        if (grads[i].defined()) out[i] = grads[i].to(at::kFloat);
+      return out;
     }
-    at::_foreach_copy_(out, weights);
+    std::vector<at::Tensor> src, dst;
+    src.reserve(grads.size());
+    dst.reserve(grads.size());
+    for (size_t i = 0; i < grads.size(); ++i) {
+      if (!grads[i].defined()) continue;
+      // The layout `_to_copy` gives: the gradient's strides where it is dense.
+      out[i] = at::empty_like(grads[i], grads[i].options().dtype(at::kFloat));
+      src.push_back(grads[i]);
+      dst.push_back(out[i]);
+    }
+    if (!src.empty()) at::_foreach_copy_(dst, src);
     return out;
   }
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
-                                                 torch::autograd::variable_list grads) {
-    torch::autograd::variable_list out(grads.size() + 1);  // the last: `dtype`'s, none
-    for (size_t i = 0; i < grads.size(); ++i)
-      if (grads[i].defined()) out[i] = grads[i].to(at::kFloat);  // as _to_copy_backward
-    return out;
+  // Compiled autograd: nothing but the inputs decides what this node computes, and its
+  // ops trace as any.
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& args) const override {
+    args.collect(name());
+  }
+  torch::autograd::variable_list apply_with_saved(const torch::autograd::variable_list& inputs,
+                                                  torch::dynamo::autograd::SwapSavedVariables&) override {
+    return apply(torch::autograd::variable_list(inputs));
   }
 };
 
+// A new node in the pointer torch holds nodes by: a shared_ptr before torch 2.13, an
+// intrusive_ptr since.
+template <class P>
+struct NodeMaker {
+  template <class T>
+  static P make() { return P(new T()); }
+};
+template <class N>
+struct NodeMaker<c10::intrusive_ptr<N>> {
+  template <class T>
+  static c10::intrusive_ptr<N> make() { return c10::make_intrusive<T>(); }
+};
+
+// The casts of `weights` to `dtype`, one multi-tensor copy, with one node for their
+// backward (grad mode on, every weight requiring grad: see `batchable`).
+std::vector<at::Tensor> batched_weight_cast(const std::vector<at::Tensor>& weights, at::ScalarType dtype) {
+  std::vector<at::Tensor> out;
+  out.reserve(weights.size());
+  {
+    // New tensors that nothing else sees yet: below autograd and the inplace/view layer,
+    // as `_to_copy`'s own allocation and copy run.
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    for (const at::Tensor& w : weights) out.push_back(at::empty_like(w, w.options().dtype(dtype)));
+    at::_foreach_copy_(out, weights);
+  }
+  NodePtr node = NodeMaker<NodePtr>::template make<BatchedWeightCastBackward>();
+  node->set_next_edges(torch::autograd::collect_next_edges(weights));
+  for (const at::Tensor& cast : out) torch::autograd::set_history(cast, node);
+  return out;
+}
+
+// A plan: its weights in order of first use, cut into buckets (bucket b is
+// weights[starts[b]] up to weights[starts[b + 1]]).
 struct Plan {
-  std::vector<std::vector<WeakImpl>> buckets;
-  std::unordered_map<c10::TensorImpl*, uint32_t> bucket_of;  // held alive by the weak refs
+  struct Place {
+    uint32_t bucket, position;
+  };
+  std::vector<WeakImpl> weights;
+  std::vector<uint32_t> starts;  // one more than the buckets: the last is weights.size()
+  std::unordered_map<c10::TensorImpl*, Place> place_of;  // keys held alive by the weak refs
+  size_t buckets() const { return starts.size() - 1; }
 };
 
 struct MadeBucket {
@@ -446,7 +498,14 @@ struct MadeBucket {
 };
 
 // This thread's outermost region: what it used, its plan, the buckets it cast.
+//
+// A region that uses its plan's weights in the plan's order (a training loop's regions
+// do) only counts them (`following`, `cursor`: how many it has used); `record` and `seen`
+// are filled only once it departs from that order (`depart`).
 struct RegionBatch {
+  bool started = false;
+  bool following = false;
+  size_t cursor = 0;
   std::vector<WeakImpl> record;
   std::unordered_set<c10::TensorImpl*> seen;
   std::shared_ptr<Plan> plan;
@@ -462,17 +521,37 @@ inline bool batch_active() {
          !torch::jit::tracer::isTracing();
 }
 
+// The region stops following its plan's order: what it used so far is the plan's first
+// `cursor` weights.
+void depart(RegionBatch& rb) {
+  rb.following = false;
+  rb.record.assign(rb.plan->weights.begin(), rb.plan->weights.begin() + rb.cursor);
+  for (const WeakImpl& w : rb.record) rb.seen.insert(w._unsafe_get_target());
+}
+
 void note_use(const at::Tensor& t) {
   RegionBatch& rb = tl_region;
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  if (rb.record.empty()) {  // the region's first weight picks its plan
+  if (!rb.started) {  // the region's first weight picks its plan
+    rb.started = true;
     for (auto it = tl_plans.begin(); it != tl_plans.end(); ++it) {
       if (it->first != impl) continue;
       rb.plan = it->second;
-      rb.made.assign(rb.plan->buckets.size(), 0);
+      rb.made.assign(rb.plan->buckets(), 0);
       tl_plans.splice(tl_plans.begin(), tl_plans, it);
-      break;
+      rb.following = true;
+      rb.cursor = 1;
+      return;
     }
+  } else if (rb.following) {
+    const std::vector<WeakImpl>& order = rb.plan->weights;
+    if (rb.cursor < order.size() && order[rb.cursor]._unsafe_get_target() == impl) {
+      ++rb.cursor;
+      return;
+    }
+    auto place = rb.plan->place_of.find(impl);
+    if (place != rb.plan->place_of.end() && place->second.position < rb.cursor) return;  // used again
+    depart(rb);
   }
   if (rb.seen.insert(impl).second) rb.record.emplace_back(t.getIntrusivePtr());
 }
@@ -483,6 +562,7 @@ bool batchable(const at::Tensor& w, at::ScalarType dtype) {
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
   if (!cacheable(w, dtype) || w.device().type() != tls.device || !w.has_storage()) return false;
   if (!(w.key_set() & g.to_python).empty() || w.is_meta()) return false;
+  if (w._fw_grad(/*level=*/0).defined()) return false;  // a tangent: the node carries none
   PyObject* own = w.unsafeGetTensorImpl()->pyobj_slot()->load_pyobj();
   if (own != nullptr) {
     PyTypeObject* type = Py_TYPE(own);
@@ -498,17 +578,17 @@ at::Tensor batch_cast(Store& store, const at::Tensor& t, at::ScalarType dtype, u
   RegionBatch& rb = tl_region;
   if (!rb.plan) return at::Tensor();
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  auto found = rb.plan->bucket_of.find(impl);
-  if (found == rb.plan->bucket_of.end()) return at::Tensor();
-  uint32_t b = found->second;
+  auto found = rb.plan->place_of.find(impl);
+  if (found == rb.plan->place_of.end()) return at::Tensor();
+  uint32_t b = found->second.bucket;
   if (rb.made[b]) return at::Tensor();  // cast already: `t` changed since, or was left out
   rb.made[b] = 1;
   std::vector<at::Tensor> weights;
   size_t mine = SIZE_MAX;
   {
     std::vector<Entry> dropped;  // stale entries, freed before the bucket is cast
-    for (const WeakImpl& weak : rb.plan->buckets[b]) {
-      auto strong = weak.lock();
+    for (uint32_t i = rb.plan->starts[b]; i < rb.plan->starts[b + 1]; ++i) {
+      auto strong = rb.plan->weights[i].lock();
       if (!strong) continue;
       if (strong.get() == impl) {
         mine = weights.size();
@@ -529,11 +609,10 @@ at::Tensor batch_cast(Store& store, const at::Tensor& t, at::ScalarType dtype, u
     versions.push_back(w._version());
     addresses.push_back(w.const_data_ptr());
   }
-  torch::autograd::variable_list casts;
+  std::vector<at::Tensor> casts;
   {
-    at::AutoGradMode grad_on(true);
     c10::impl::ExcludeDispatchKeyGuard no_autocast(g.autocast_keys);
-    casts = BatchedWeightCast::apply(at::TensorList(weights), dtype);
+    casts = batched_weight_cast(weights, dtype);
   }
   auto mark = std::make_shared<BatchMark>(weights.size());
   mark->handed[mine].store(true, std::memory_order_relaxed);
@@ -550,14 +629,10 @@ at::Tensor batch_cast(Store& store, const at::Tensor& t, at::ScalarType dtype, u
 // Whether `record` is `plan`'s weights in its order (the common case: a training loop's
 // regions use the same weights in the same order), so that the plan need not be rebuilt.
 bool same_order(const Plan& plan, const std::vector<WeakImpl>& record) {
-  size_t i = 0;
-  for (const auto& bucket : plan.buckets) {
-    for (const WeakImpl& w : bucket) {
-      if (i >= record.size() || record[i]._unsafe_get_target() != w._unsafe_get_target()) return false;
-      ++i;
-    }
-  }
-  return i == record.size();
+  if (plan.weights.size() != record.size()) return false;
+  for (size_t i = 0; i < record.size(); ++i)
+    if (record[i]._unsafe_get_target() != plan.weights[i]._unsafe_get_target()) return false;
+  return true;
 }
 
 // This thread's outermost region closed: the casts of its buckets never handed out are cut
@@ -577,17 +652,24 @@ void region_closed() {
       if (store && weight) store->drop_unused(weight.get(), m.mark.get(), i);
     }
   }
+  if (done.following) {
+    if (done.cursor == done.plan->weights.size()) return;  // the plan it used stays
+    depart(done);  // it used a part of its plan: that part is the next plan
+  }
   if (done.record.empty()) return;
   if (done.plan && same_order(*done.plan, done.record)) return;  // the plan it used stays
   auto plan = std::make_shared<Plan>();
   size_t n = done.record.size();
   size_t per = std::max(kMinBucket, (n + kBuckets - 1) / kBuckets);
+  plan->weights = std::move(done.record);
+  plan->place_of.reserve(n);
   for (size_t i = 0; i < n; ++i) {
-    if (i % per == 0) plan->buckets.emplace_back();
-    plan->bucket_of[done.record[i]._unsafe_get_target()] = static_cast<uint32_t>(plan->buckets.size() - 1);
-    plan->buckets.back().push_back(std::move(done.record[i]));
+    if (i % per == 0) plan->starts.push_back(static_cast<uint32_t>(i));
+    plan->place_of[plan->weights[i]._unsafe_get_target()] = {static_cast<uint32_t>(plan->starts.size() - 1),
+                                                              static_cast<uint32_t>(i)};
   }
-  c10::TensorImpl* key = plan->buckets[0][0]._unsafe_get_target();
+  plan->starts.push_back(static_cast<uint32_t>(n));
+  c10::TensorImpl* key = plan->weights[0]._unsafe_get_target();
   tl_plans.remove_if([&](const auto& p) { return p.first == key; });
   tl_plans.emplace_front(key, std::move(plan));
   if (tl_plans.size() > kPlansKept) tl_plans.pop_back();
@@ -1299,7 +1381,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     pybind11::list out;
     for (const auto& p : tl_plans) {
       pybind11::list buckets;
-      for (const auto& b : p.second->buckets) buckets.append(b.size());
+      const Plan& plan = *p.second;
+      for (size_t b = 0; b < plan.buckets(); ++b) buckets.append(plan.starts[b + 1] - plan.starts[b]);
       out.append(buckets);
     }
     return out;
