@@ -5,6 +5,8 @@ from __future__ import annotations
 import warnings
 
 import pytest
+import torch
+from torch.torch_version import TorchVersion
 
 import dispatch_amp as amp
 from dispatch_amp import Policy
@@ -36,7 +38,10 @@ def test_policies_and_files(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", amp.AmpNumericsWarning)
         rows = {r.op: (r.a, r.b) for r in amp.policy_diff("2.11", Policy.for_device("cuda"), device_type="cuda")}
-    assert rows.get("aten::rms_norm") == (None, "fp32")
+    # The installed torch's table: rms_norm is float32 on CUDA from 2.12 on, as in 2.11's
+    # file where 2.11 is installed (no difference then).
+    installed_2_12 = TorchVersion(torch.__version__) >= (2, 12)
+    assert rows.get("aten::rms_norm") == ((None, "fp32") if installed_2_12 else None)
 
 
 def test_bad_input_is_refused():

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import dispatch_amp as amp
-from dispatch_amp import fp8
+from dispatch_amp import _torch_compat, fp8
 from dispatch_amp.fp8 import _gemms
 from dispatch_amp.fp8._gemms import by_rule, inverse, mm
 
@@ -52,6 +52,8 @@ def test_by_rule_agrees_with_scaled_mm(oracle, rowwise, a_fmt, out_dtype, bias_d
     bias = None if bias_dtype is None else torch.randn(b_rows.shape[0]).to(bias_dtype)
     got = mm(a, b_rows, a_inv, b_inv, out_dtype, bias)
     assert torch.equal(got, by_rule(a, b_rows, a_inv, b_inv, out_dtype, bias))
+    if rowwise and not _torch_compat.SCALED_MM_ROWWISE_ON_CPU:
+        return  # torch 2.11's CPU _scaled_mm takes one scale per tensor only: no oracle here
     want = torch._scaled_mm(a, b_rows.t(), scale_a=a_inv, scale_b=b_inv, bias=bias, out_dtype=out_dtype)
     # The same products; only the float32 gemm's summation order may differ.
     bound = oracle.gemm_bound(a.float() * a_inv, (b_rows.float() * b_inv.t()).t(), out_dtype,

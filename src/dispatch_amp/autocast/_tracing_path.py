@@ -139,6 +139,10 @@ def trace_call(mode: TorchFunctionMode, func, args, kwargs):
     if body is not None:
         return _trace_composite(mode, func, body, args, kwargs)
     name = getattr(func, "__name__", None)
+    if name == "wrapped":
+        # torch 2.15's Dynamo hands the reflected operators (Tensor.__rmatmul__, ...) as
+        # their wrapper's function, named after it; the operator is what it wraps.
+        name = getattr(getattr(func, "__wrapped__", None), "__name__", name)
     if name == "__rmatmul__" and len(args) == 2 and not kwargs and isinstance(args[1], torch.Tensor):
         # x @ w where x's type gave way to w's: Tensor.__rmatmul__ is Python calling
         # torch.matmul(x, w), which eagerly reaches matmul's kernel.

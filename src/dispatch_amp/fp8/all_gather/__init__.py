@@ -189,12 +189,19 @@ def _plain_state(attr: str):
 def _fsdp_params(model: torch.nn.Module) -> list:
     # FSDP2 keeps one FSDPParam per sharded parameter in the param groups of the state of
     # the module fully_shard was given: a private structure, reached in this one place.
+    # A list of groups (`_fsdp_param_groups`) on torch 2.13 and later; one group or None
+    # (`_fsdp_param_group`) on 2.11.
     found = []
     for module in model.modules():
         get_state = getattr(module, "_get_fsdp_state", None)
         if get_state is None:
             continue
-        for group in getattr(get_state(), "_fsdp_param_groups", ()):
+        state = get_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = () if group is None else (group,)
+        for group in groups:
             found.extend(group.fsdp_params)
     return found
 
