@@ -134,6 +134,21 @@ def _missing_toolchain() -> str | None:
     return None
 
 
+# README's test command runs the test files on one worker per physical core (pytest-xdist's
+# `-n auto --dist loadfile`: a file's tests on one worker, so its module fixtures are made
+# once), at most four: each worker imports torch and runs torch's own threads, so more
+# workers than cores only compete for them.
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    try:
+        import psutil
+
+        cores = psutil.cpu_count(logical=False)
+    except ImportError:  # not a test requirement; logical CPUs instead
+        cores = None
+    return max(1, min(4, cores or os.cpu_count() or 1))
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "needs_compiler: the test builds or runs the compiled engine")
 
@@ -187,6 +202,26 @@ class CompiledBuild:
 
 @pytest.fixture(scope="session")
 def compiled_build(tmp_path_factory):
+    """The session's build. Under pytest-xdist the first worker to ask makes it and the
+    others read what it left (a session fixture is otherwise made once per worker, and
+    this one compiles the engine from nothing)."""
+    import fcntl
+    import json
+
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return CompiledBuild(*_build_together(tmp_path_factory))
+    shared = tmp_path_factory.getbasetemp().parent  # every worker's base lies in it
+    record = shared / "compiled-build.json"
+    with open(shared / "compiled-build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not record.exists():
+            record.write_text(json.dumps(_build_together(tmp_path_factory)))
+    return CompiledBuild(*json.loads(record.read_text()))
+
+
+def _build_together(tmp_path_factory) -> tuple:
+    """(cache root, each process's (rc, stdout, stderr), seconds): two processes started
+    together on an empty cache directory."""
     import subprocess
     import sys
     import time
@@ -212,4 +247,4 @@ def compiled_build(tmp_path_factory):
             p.kill()
             out, err = p.communicate()
         runs.append((p.returncode, out, err))
-    return CompiledBuild(root, runs, time.perf_counter() - start)
+    return str(root), runs, time.perf_counter() - start
