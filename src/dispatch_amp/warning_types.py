@@ -41,6 +41,10 @@ class CompiledEngineWarning(UserWarning):
     that cannot be written) and its fix. It is issued once per process; nothing is
     retried until the next one. ``DISPATCH_AMP_ENGINE=python`` skips the attempt.
 
+    Also issued, once, where a process has used more distinct policies than the compiled
+    engine's table holds (64): regions under the later ones run on the Python engine.
+    Equal policies share one entry, so a policy built once and reused never fills it.
+
     Example::
 
         warnings.simplefilter("error", amp.CompiledEngineWarning)   # require the compiled engine

@@ -45,7 +45,7 @@ class CompiledEngineError(RuntimeError):
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _user_stacklevel() -> int:
+def user_stacklevel() -> int:
     """The ``stacklevel`` that points a warning at the first frame outside dispatch_amp
     (the user's ``with amp.autocast(...)`` or ``amp.engine()``), from the caller's frame."""
     frame, level = sys._getframe(1), 1
@@ -117,7 +117,7 @@ class Loader:
                 f"dispatch_amp: the compiled engine is not available, so the Python engine runs "
                 f"(the same casts, more host time per op): {failure.cause}. Fix: {failure.fix}; "
                 f"or set DISPATCH_AMP_ENGINE=python to skip the attempt.",
-                CompiledEngineWarning, stacklevel=_user_stacklevel(),
+                CompiledEngineWarning, stacklevel=user_stacklevel(),
             )
         return None
 

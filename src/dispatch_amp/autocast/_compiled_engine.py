@@ -37,6 +37,8 @@ import warnings
 import torch
 
 from .. import _compiled, _torch_compat
+from .._compiled.loader import user_stacklevel
+from ..warning_types import CompiledEngineWarning
 from . import _cast_cache, _handlers
 
 __all__ = ["active", "batching", "set_batching", "BATCH_ENV", "register", "prepare", "resolve_rule", "set_top_arguments", "PYTHON", "GIVEN", "LOWER", "FP32", "PROMOTE", "FP32_OPT_DTYPE"]
@@ -61,6 +63,7 @@ class _Engine:
         self.kernels: list = []  # kernel number -> OpOverload
         self.plans: dict = {}  # Plan -> plan number (None past the C++ side's maximum)
         self.numbered: list = []  # plan number -> Plan
+        self.warned_full = False  # the table of plans filled up (said once per process)
 
 
 ENGINE = _Engine()
@@ -192,6 +195,21 @@ def prepare(plan) -> None:
                 ENGINE.plans[plan] = number
             else:  # past the C++ side's table: this plan's calls go to the Python kernels
                 ENGINE.plans[plan] = None
+                if not ENGINE.warned_full:
+                    ENGINE.warned_full = True
+                    _warn_table_full(plan, module.max_plans())
+
+
+def _warn_table_full(plan, size: int) -> None:
+    # Once per process: a silent slowdown would be the worst outcome, and the casts are
+    # the same either way (the Python kernels are the reference).
+    warnings.warn(
+        f"dispatch_amp: this process has used {size} distinct policies, as many as the compiled "
+        f"engine's table holds, so regions under a new one (here on {plan.device_type!r}) run on the "
+        f"Python engine: the same casts, more host time per op. Equal policies share one entry: "
+        f"build each policy once and reuse it (or an equal one), rather than a policy that differs "
+        f"per region or per step.",
+        CompiledEngineWarning, stacklevel=user_stacklevel())
 
 
 def resolve_rule(kernel: int, number: int) -> None:
