@@ -205,10 +205,13 @@ def compiled_build(tmp_path_factory):
     """The session's build. Under pytest-xdist the first worker to ask makes it and the
     others read what it left (a session fixture is otherwise made once per worker, and
     this one compiles the engine from nothing)."""
-    import fcntl
     import json
 
-    if "PYTEST_XDIST_WORKER" not in os.environ:
+    try:
+        import fcntl
+    except ImportError:  # no file lock to share one build by (Windows): each worker builds
+        fcntl = None
+    if "PYTEST_XDIST_WORKER" not in os.environ or fcntl is None:
         return CompiledBuild(*_build_together(tmp_path_factory))
     shared = tmp_path_factory.getbasetemp().parent  # every worker's base lies in it
     record = shared / "compiled-build.json"
