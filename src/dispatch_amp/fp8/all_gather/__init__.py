@@ -189,7 +189,7 @@ def _plain_state(attr: str):
 def _fsdp_params(model: torch.nn.Module) -> list:
     # FSDP2 keeps one FSDPParam per sharded parameter in the param groups of the state of
     # the module fully_shard was given: a private structure, reached in this one place.
-    # A list of groups (`_fsdp_param_groups`) on torch 2.13 and later; one group or None
+    # A list of groups (`_fsdp_param_groups`) on torch 2.12 and later; one group or None
     # (`_fsdp_param_group`) on 2.11.
     found = []
     for module in model.modules():
