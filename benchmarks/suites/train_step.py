@@ -8,7 +8,8 @@ rotating order after warm-up, medians, and the median of the per-round ratio our
 Peak memory: each (model, configuration) runs in its own process (``run.py --child``),
 which resets the Linux high-water mark after setup and one warm-up step, runs three steps
 and reports the peak RSS (``VmHWM``) and the growth over the RSS before the steps: one
-process after the other, except at ``--quick`` sizes (a smoke test), where all run at once.
+process after the other, except at ``--quick`` sizes (a smoke test), where native's and
+ours run at once.
 
 Models: the overhead-bound MLP (24 small layers: per-call cost dominates), a GPT, a CNN,
 an LSTM tagger and GPT-2 medium's structure (24 blocks, 16 heads; on CPU at d_model 64).
@@ -254,10 +255,11 @@ def _parse_child(cmd, rc: int, stdout: str, stderr: str) -> dict:
 def _memory(name: str, quick: bool, device: torch.device | None = None) -> dict:
     """Peak memory of native and ours, each in its own process. On CUDA the two processes
     run at the same time (each reads its own ``max_memory_allocated``, which the other
-    cannot change), on CPU one after the other (as before: RSS, and a quiet machine)."""
+    cannot change); on CPU too at quick sizes, which measure nothing (each reads its own
+    RSS), and otherwise one after the other (a quiet machine)."""
     device = device or torch.device("cpu")
     cmds = {config: _memory_cmd(name, config, quick, device) for config in ("native", "ours")}
-    results = run_children(cmds, concurrent=device.type == "cuda" and gpu_memory_gib() >= 40)
+    results = run_children(cmds, concurrent=quick or (device.type == "cuda" and gpu_memory_gib() >= 40))
     return {config: _parse_child(cmds[config], *results[config]) for config in cmds}
 
 
@@ -359,18 +361,8 @@ def run(opts):
     yield timing
 
     memory = _memory_table(device)
-    if opts.quick:
-        # Quick sizes measure nothing (a smoke test): every (model, configuration) process
-        # at once, each reading its own peak RSS, rather than ten one after the other.
-        cmds = {(name, config): _memory_cmd(name, config, True, device)
-                for name in MODELS for config in ("native", "ours")}
-        results = run_children(cmds, concurrent=True)
-        for name in MODELS:
-            m = {config: _parse_child(cmds[name, config], *results[name, config]) for config in ("native", "ours")}
-            memory.rows.append(_memory_row_from(m, case(name, True)[0]))
-    else:
-        for name in MODELS:
-            memory.rows.append(_memory_row(name, False, device, case(name, False)[0]))
+    for name in MODELS:
+        memory.rows.append(_memory_row(name, opts.quick, device, case(name, opts.quick)[0]))
     yield memory
 
 
